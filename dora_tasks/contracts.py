@@ -1,0 +1,38 @@
+"""Engine contracts: the only things the pipeline knows about rollout and training backends.
+
+Implementations (`dora_tasks.engines.*`) import these; these never import implementations.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from dora_tasks.records import Generation, TrainBatch
+
+
+class RolloutEngine(ABC):
+    """Serves one policy version at a time (DORA's rollout instance)."""
+
+    version: int = -1
+
+    @abstractmethod
+    def load_version(self, version: int, weights_path: str) -> None:
+        """Load the weights of `version` from the weight store in place; afterwards `self.version == version`."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int) -> list[list[Generation]]:
+        """Sample `n` responses per prompt with the current version; one list of `n` generations per prompt."""
+
+
+class TrainEngine(ABC):
+    """Holds the trainable policy and its optimizer on the trainer worker."""
+
+    version: int = 0
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy update on `batch` (advantages already set); returns scalar metrics. Advances `version` by one."""
+
+    @abstractmethod
+    def save_weights(self, path: str) -> None:
+        """Write the current policy weights as a Hugging Face model folder (config.json + model.safetensors)."""

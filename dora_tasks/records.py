@@ -1,0 +1,110 @@
+"""Typed records that travel between Dask tasks.
+
+Every record carries versions: a trajectory knows the policy version of each of its response tokens (C1 is checkable
+only then), a group knows the version it was dispatched on and the instance that generated it, and a consumed group
+knows the update that trained on it. No free-form dict payloads cross task boundaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the dataset, with the ground truth its reward function needs."""
+
+    prompt_id: int
+    text: str
+    answer: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    """What a rollout engine returns for one sampled response."""
+
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T], log-prob of each sampled token under the generating policy
+    versions: np.ndarray  # int32 [T], policy version that produced each token
+    finished: bool  # True when the response ended with EOS, False when cut at max_new_tokens
+
+
+@dataclass
+class Trajectory:
+    """One response to one prompt, with everything the trainer and the audit need."""
+
+    group_id: int
+    sample_idx: int
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [T]
+    versions: np.ndarray  # int32 [T]
+    behaviour_logprobs: np.ndarray  # float32 [T]
+    finished: bool
+    reward: float = float("nan")
+    reward_error: str = ""  # exception text or "timeout"; empty when the reward function returned a number
+    advantage: float = float("nan")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.prompt_ids) + len(self.response_ids))
+
+    @property
+    def distinct_versions(self) -> set[int]:
+        return set(int(v) for v in np.unique(self.versions))
+
+
+@dataclass
+class Group:
+    """The G trajectories of one prompt. Dispatched on one version, generated on one instance, completed as a whole."""
+
+    group_id: int
+    prompt: Prompt
+    version: int  # policy version the group was dispatched (and started) on
+    instance: str = ""  # worker address of the rollout instance that generated it
+    attempt: int = 0  # >0 when the group was re-dispatched after its instance died
+    trajectories: list[Trajectory] = field(default_factory=list)
+    start_time: float = 0.0
+    end_time: float = 0.0
+    filtered: str = ""  # name of the algorithmic filter that excluded it from the loss, if any
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.trajectories)
+
+
+@dataclass
+class TrainBatch:
+    """The groups one update trains on, after the version gate checked them."""
+
+    update: int  # the update starts from policy version `update` and publishes `update + 1`
+    groups: list[Group]
+    max_staleness: int
+
+    @property
+    def staleness(self) -> list[int]:
+        return [self.update - g.version for g in self.groups]
+
+
+@dataclass
+class UpdateResult:
+    """What the trainer reports after one update (all floats, so it logs straight to MLflow)."""
+
+    update: int
+    metrics: dict[str, float]
+    start_time: float
+    end_time: float
+
+
+@dataclass
+class PublishedWeights:
+    """A policy version written to the weight store."""
+
+    version: int
+    path: str
+    seconds: float

@@ -1,0 +1,281 @@
+"""Typed configuration. Defaults live here, once; YAML files in `configs/` and `key=value` overrides only change them.
+
+`load_config(path, overrides)` reads YAML, applies dotted overrides (`dora.max_staleness=3`), builds the dataclasses
+and validates them. Every problem raises `ConfigError` with the offending key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it."""
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, f"got {value!r}, allowed: {', '.join(allowed)}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # Hugging Face model folder; empty means "warm-start one from scratch into the run folder"
+    hidden_size: int = 128  # used only when building a model from scratch
+    num_layers: int = 2
+    num_heads: int = 4
+    warmstart_steps: int = 300  # supervised steps on the task's demonstrations before RL
+    warmstart_lr: float = 3e-3
+    warmstart_batch: int = 64
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        _require(self.hidden_size > 0 and self.hidden_size % self.num_heads == 0, "model.hidden_size",
+                 f"must be positive and divisible by model.num_heads={self.num_heads}, got {self.hidden_size}")
+        _require(self.num_layers >= 1, "model.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(self.warmstart_steps >= 0, "model.warmstart_steps", f"must be >= 0, got {self.warmstart_steps}")
+        _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        if self.path:
+            _require(Path(self.path).is_dir() or "://" in self.path, "model.path",
+                     f"{self.path!r} does not exist (a Hugging Face model folder is expected)")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "countdown"  # built-in procedural task; or "dataset" to read prompts from `dataset`
+    dataset: str = ""  # path to .jsonl / .parquet, or "hf:<name>[:split]" for Hugging Face datasets
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward_fn: str = ""  # dotted path "package.module.function"; empty means the task's own reward
+    reward_timeout_s: float = 10.0
+    num_prompts: int = 4096  # size of the generated prompt pool for procedural tasks
+    eval_prompts: int = 64  # held-out prompts for accuracy
+    max_count: int = 400  # long-tail cap of the countdown task
+
+    def validate(self) -> None:
+        _choice(self.name, "task.name", ("countdown", "dataset"))
+        if self.name == "dataset":
+            _require(bool(self.dataset), "task.dataset", "required when task.name=dataset")
+        _require(self.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
+        _require(self.num_prompts > 0, "task.num_prompts", f"must be > 0, got {self.num_prompts}")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # "hf" (transformers, light fallback) or "vllm"
+    instances: int = 2  # rollout instances (GPU-labelled rollout workers) in the embedded cluster
+    group_size: int = 8  # G trajectories per prompt
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    kv_cache_bytes: int = 64 * 2**20  # vLLM KV-cache memory; must be set on CPU
+    partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose)
+    partial_chunk_tokens: int = 32
+
+    def validate(self) -> None:
+        _choice(self.engine, "rollout.engine", ("hf", "vllm"))
+        _require(self.instances >= 1, "rollout.instances", f"must be >= 1, got {self.instances}")
+        _require(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.kv_cache_bytes > 0, "rollout.kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
+
+
+@dataclass
+class TrainConfig:
+    engine: str = "torch"  # "torch" (plain, fallback) or "deepspeed"
+    zero_stage: int = 0
+    advantage: str = "grpo"  # name in dora_tasks.algorithms registry
+    loss: str = "ppo_clip"  # name in dora_tasks.algorithms registry
+    lr: float = 1e-3
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
+    kl_coef: float = 0.0  # KL to the initial policy; 0 disables the reference model
+    micro_batch: int = 32  # trajectories per forward/backward
+    max_grad_norm: float = 1.0
+
+    def validate(self) -> None:
+        _choice(self.engine, "train.engine", ("torch", "deepspeed"))
+        _require(self.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _require(self.clip_low > 0 and self.clip_high > 0, "train.clip_low/clip_high", "must be > 0")
+        _require(self.micro_batch >= 1, "train.micro_batch", f"must be >= 1, got {self.micro_batch}")
+        _require(self.kl_coef >= 0, "train.kl_coef", f"must be >= 0, got {self.kl_coef}")
+
+
+@dataclass
+class DoraConfig:
+    max_staleness: int = 1  # K: 0 = synchronous on-policy, 1 = one-step off-policy, >= 2 = DORA multi-version
+    train_batch_size: int = 8  # TBS, in groups (prompts) per update
+    rollout_batch_size: int = 16  # RBS, groups kept in flight; must be >= TBS
+    num_updates: int = 10
+    seed: int = 0
+
+    def validate(self) -> None:
+        _require(self.max_staleness >= 0, "dora.max_staleness", f"K must be >= 0, got {self.max_staleness}")
+        _require(self.train_batch_size >= 1, "dora.train_batch_size",
+                 f"TBS must be >= 1, got {self.train_batch_size}")
+        _require(self.rollout_batch_size >= self.train_batch_size, "dora.rollout_batch_size",
+                 f"RBS={self.rollout_batch_size} must be >= TBS=dora.train_batch_size={self.train_batch_size}")
+        _require(self.num_updates >= 1, "dora.num_updates", f"must be >= 1, got {self.num_updates}")
+
+
+@dataclass
+class ClusterConfig:
+    scheduler_address: str = ""  # empty: start an embedded LocalCluster; else attach, e.g. tcp://10.0.0.1:8786
+    cpu_workers: int = 1  # embedded cluster: reward/advantage workers (label CPU)
+    cpu_threads: int = 2
+    worker_memory: str = "4GiB"
+    dashboard_address: str = ":0"
+    connect_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        _require(self.cpu_workers >= 1, "cluster.cpu_workers", f"must be >= 1, got {self.cpu_workers}")
+        _require(self.cpu_threads >= 1, "cluster.cpu_threads", f"must be >= 1, got {self.cpu_threads}")
+        if self.scheduler_address:
+            _require("://" in self.scheduler_address, "cluster.scheduler_address",
+                     f"expected a URL such as tcp://host:8786, got {self.scheduler_address!r}")
+
+
+@dataclass
+class StorageConfig:
+    run_dir: str = "runs/demo"  # everything of a run: store, weights, checkpoints, plots, MLflow db
+    trajectory_store: str = ""  # zarr URL or path; empty: <run_dir>/trajectories.zarr
+    weight_store: str = ""  # folder or fsspec URL; empty: <run_dir>/weights
+    checkpoint_interval: int = 5  # updates between checkpoints; 0 disables
+    keep_versions: int = 0  # published versions kept beyond the live window; 0 keeps only what resume needs
+
+    def validate(self) -> None:
+        _require(bool(self.run_dir), "storage.run_dir", "must not be empty")
+        _require(self.checkpoint_interval >= 0, "storage.checkpoint_interval",
+                 f"must be >= 0, got {self.checkpoint_interval}")
+
+    def resolved(self, name: str) -> str:
+        explicit = getattr(self, name)
+        defaults = {"trajectory_store": "trajectories.zarr", "weight_store": "weights"}
+        return explicit or os.path.join(self.run_dir, defaults[name])
+
+
+@dataclass
+class TrackingConfig:
+    mlflow_uri: str = ""  # empty: sqlite:///<run_dir>/mlflow.db
+    experiment: str = "dora"
+    run_name: str = ""
+    live_view: bool = True
+    plots: bool = True
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dora: DoraConfig = field(default_factory=DoraConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.rollout.partial_rollout:
+            _require(self.rollout.engine == "hf", "rollout.partial_rollout",
+                     "the partial-rollout baseline is implemented for rollout.engine=hf only")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value`, for MLflow params."""
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+        try:
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return typ(value) if not isinstance(value, str) else typ(float(value) if typ is float else int(value))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {full!r}; allowed under {prefix.rstrip('.') or 'top level'}: "
+                              f"{', '.join(names)}")
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, typ, full)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings onto a nested dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. dora.max_staleness=3")
+        node = data.setdefault(parts[0], {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {parts[0]!r} is not a section")
+        node[parts[1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return _build(Config, data or {}, "").validate()
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    return config_from_dict(apply_overrides(data, list(overrides or [])))
