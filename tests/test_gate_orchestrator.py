@@ -1,0 +1,155 @@
+"""The version gate and the orchestrator, driven without a cluster by random event orders (hypothesis)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.gate import GateInvariantError, VersionGate
+from pipelines.orchestrator import Load, Orchestrator, Start
+
+
+def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0):
+    """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
+    rng = random.Random(seed)
+    gate = VersionGate(K, tbs)
+    orch = Orchestrator(rbs, updates * tbs)
+    for i in range(instances):
+        orch.add_instance(f"w{i}", slots)
+    started_version: dict[int, int] = {}
+    running: list[int] = []
+    batches = []
+    live_sets = []
+    spare = instances
+    steps = 0
+    while gate.next_update < updates:
+        steps += 1
+        assert steps < 5_000, "no progress: deadlock"
+        for action in orch.decide(gate.capacity()):
+            if isinstance(action, Start):
+                if action.new:
+                    gate.on_dispatch(action.group_id, action.version)
+                assert started_version.setdefault(action.group_id, action.version) == action.version
+                running.append(action.group_id)
+        live_sets.append(set(orch.live_versions()))
+        orch.validate()
+        gate.validate()
+        choice = rng.random()
+        if kill_rate and choice < kill_rate and orch.instances:
+            dead = rng.choice(sorted(orch.instances))
+            for g in orch.remove_instance(dead):
+                running.remove(g)
+            orch.add_instance(f"w{spare}", slots)
+            spare += 1
+        elif running and (choice < 0.7 or gate.running is None):
+            g = running.pop(rng.randrange(len(running)))
+            orch.on_group_done(g)
+            gate.on_complete(g)
+        decision = gate.decide()
+        if decision is not None:
+            batches.append(decision)
+        if gate.running is not None and (not running or rng.random() < 0.5):
+            gate.on_update_done(gate.running.update)
+            orch.on_publish(gate.newest)
+        gate.validate()
+    return gate, orch, batches, started_version, live_sets
+
+
+@settings(max_examples=60, deadline=None)
+@given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
+       instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
+       kill=st.sampled_from([0.0, 0.05]))
+def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill):
+    gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill)
+    consumed = [g for b in batches for g in b.group_ids]
+    # C2: every dispatched group trained exactly once, nothing left behind, exactly N * TBS groups
+    assert len(consumed) == len(set(consumed)) == updates * tbs
+    assert set(consumed) == set(started) == set(gate.consumed)
+    assert not gate.unconsumed
+    # C3: staleness within K; C1 (scheduling side): each group started on a single version, the one it was dispatched on
+    for b in batches:
+        assert len(b.group_ids) == tbs
+        assert all(0 <= b.update - v <= K for v in b.versions)
+        assert all(started[g] == v for g, v in zip(b.group_ids, b.versions))
+    if K == 0:
+        assert all(len(set(b.versions)) == 1 and b.versions[0] == b.update for b in batches)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_several_versions_are_live_at_once_when_K_allows(K):
+    _, _, batches, _, live_sets = drive(K, tbs=4, rbs=12, updates=8, instances=3, slots=2, seed=1)
+    assert max(len(s) for s in live_sets) >= 2
+    assert max(b.max_staleness for b in batches) <= K
+
+
+def test_K0_never_has_two_versions_live():
+    _, _, _, _, live_sets = drive(0, tbs=4, rbs=12, updates=6, instances=3, slots=2, seed=3)
+    assert max(len(s) for s in live_sets) == 1
+
+
+def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
+    gate = VersionGate(max_staleness=1, train_batch_size=2)
+    for g in range(2):
+        gate.on_dispatch(g, 0)
+    gate.on_complete(0)
+    assert gate.decide() is None  # update 0 needs TBS complete groups
+    gate.on_complete(1)
+    d0 = gate.decide()
+    assert d0.group_ids == (0, 1)
+    gate.on_update_done(0)
+    for g in range(2, 6):  # capacity at newest=1, K=1: (1 + 1 + 1) * 2 = 6 groups in total
+        gate.on_dispatch(g, 1)
+    assert gate.capacity() == 0
+    for g in (3, 4, 5):
+        gate.on_complete(g)
+    d1 = gate.decide()  # version 1 >= 1 - K: nothing forces group 2 in yet
+    assert set(d1.group_ids) == {3, 4}
+    gate.on_update_done(1)
+    assert gate.decide() is None  # update 2: group 2 (version 1 = 2 - K) is a straggler and must come first
+    gate.on_complete(2)
+    with pytest.raises(GateInvariantError):
+        gate.on_dispatch(99, 0)  # old version
+    for g in (6, 7):
+        gate.on_dispatch(g, 2)
+    gate.on_complete(6)
+    assert gate.decide().group_ids == (2, 5)
+    gate.validate()
+
+
+def test_orchestrator_drains_an_old_version_before_switching():
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100)
+    orch.add_instance("a", 2)
+    first = orch.decide(capacity=2)
+    assert first[0] == Load("a", 0) and [a.group_id for a in first[1:]] == [0, 1]
+    orch.on_publish(1)
+    orch.on_group_done(0)
+    assert orch.decide(capacity=10) == []  # group 1 still runs on version 0: no swap, no new prompt on old weights
+    orch.on_group_done(1)
+    actions = orch.decide(capacity=10)
+    assert actions[0] == Load("a", 1)
+    assert all(a.version == 1 for a in actions[1:]) and len(actions) == 3
+
+
+def test_a_lost_instance_restarts_its_groups_on_their_own_version():
+    orch = Orchestrator(rollout_batch_size=2, group_budget=2)
+    orch.add_instance("a", 2)
+    orch.decide(capacity=2)
+    orch.on_publish(1)
+    assert orch.remove_instance("a") == [0, 1]
+    orch.add_instance("b", 2)
+    actions = orch.decide(capacity=0)
+    assert actions[0] == Load("b", 0)  # the only remaining work is on version 0
+    assert [(a.group_id, a.version, a.new) for a in actions[1:]] == [(0, 0, False), (1, 0, False)]
+    orch.validate()
+
+
+def test_gate_state_round_trips():
+    gate = VersionGate(2, 3)
+    for g in range(3):
+        gate.on_dispatch(g, 0)
+    gate.on_complete(1)
+    again = VersionGate.from_state(gate.to_state())
+    assert again.to_state() == gate.to_state()
+    again.validate()
