@@ -6,6 +6,7 @@ and validates them. Every problem raises `ConfigError` with the offending key an
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class TaskConfig:
     reward_timeout_s: float = 10.0
     num_prompts: int = 4096  # size of the generated prompt pool for procedural tasks
     eval_prompts: int = 64  # held-out prompts for accuracy
+    eval_interval: int = 0  # updates between held-out evaluations; 0 evaluates the initial and final policy only
     max_count: int = 400  # long-tail cap of the countdown task
 
     def validate(self) -> None:
@@ -78,6 +80,7 @@ class RolloutConfig:
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    slots: int = 4  # groups one instance generates at once (its engine batches them)
     kv_cache_bytes: int = 64 * 2**20  # vLLM KV-cache memory; must be set on CPU
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose)
     partial_chunk_tokens: int = 32
@@ -86,6 +89,7 @@ class RolloutConfig:
         _choice(self.engine, "rollout.engine", ("hf", "vllm"))
         _require(self.instances >= 1, "rollout.instances", f"must be >= 1, got {self.instances}")
         _require(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
+        _require(self.slots >= 1, "rollout.slots", f"must be >= 1, got {self.slots}")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
@@ -103,10 +107,18 @@ class TrainConfig:
     clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
     kl_coef: float = 0.0  # KL to the initial policy; 0 disables the reference model
     micro_batch: int = 32  # trajectories per forward/backward
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
+    loss_norm_len: int = 0  # divisor of seq_mean_token_sum_norm; 0 = longest response of the batch
+    filter_degenerate: bool = False  # DAPO dynamic sampling: zero-variance groups are recorded as filtered, not trained
+    importance_cap: float = 2.0  # C of tis's min(ratio, C) and cap of decoupled_ppo's behaviour weight
 
     def validate(self) -> None:
         _choice(self.engine, "train.engine", ("torch", "deepspeed"))
+        _choice(self.loss_agg, "train.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+        _require(self.loss_norm_len >= 0, "train.loss_norm_len", f"must be >= 0, got {self.loss_norm_len}")
+        _require(self.importance_cap >= 1, "train.importance_cap", f"must be >= 1, got {self.importance_cap}")
+        _require(self.max_grad_norm >= 0, "train.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         _require(self.zero_stage in (0, 1, 2, 3), "train.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(self.clip_low > 0 and self.clip_high > 0, "train.clip_low/clip_high", "must be > 0")
@@ -238,7 +250,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {full!r}; allowed under {prefix.rstrip('.') or 'top level'}: "
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown config key {full!r}; {hint}allowed under {prefix.rstrip('.') or 'top level'}: "
                               f"{', '.join(names)}")
         typ = hints[key]
         if dataclasses.is_dataclass(typ):

@@ -1,0 +1,160 @@
+"""The policy objective: TrainBatch -> padded tensors -> per-token log-probs -> registered loss, micro-batched.
+
+Simplifications, and why:
+- Sequences are prompt + response, right-padded into one [B,L] batch (no packing): simple and exact; each micro-batch
+  is trimmed to its own longest row so a long-tailed batch does not pay the longest row's padding everywhere.
+- Micro-batches are consecutive trajectories (no length sorting), so a group's trajectories train together.
+- Groups with `Group.filtered` set (e.g. DAPO's zero-variance filter) are left out of the tensors entirely; the caller
+  recorded why.
+- Log-probs are taken at `temperature` (the rollout's sampling temperature; the rollout engines report log-probs of
+  the tempered distribution). Top-p truncation is not reproduced: with top_p < 1 the behaviour log-probs are those of
+  the renormalised nucleus and the ratios are biased upwards on kept tokens (as in verl); use top_p = 1 for RL.
+- Entropy is a metric only (no entropy bonus), computed without gradient.
+- The reference model, when given, is a plain frozen copy of the initial policy; its KL (k3) is added to the loss with
+  `cfg.kl_coef`, aggregated like the policy loss.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dora_tasks.algorithms.losses import LossNorm, aggregate, masked_mean, reference_kl
+from dora_tasks.algorithms.registry import get_advantage, get_loss
+from dora_tasks.records import TrainBatch
+
+Backward = Callable[[Tensor, bool], None]  # (micro-batch loss, is last micro-batch) -> None
+
+
+def batch_tensors(batch: TrainBatch, pad_id: int = 0, advantage: str = "grpo") -> dict[str, Tensor]:
+    """Padded CPU tensors of the unfiltered trajectories of `batch`.
+
+    Returns input_ids long [B,L] (prompt + response, right-padded with `pad_id`), attention_mask long [B,L],
+    response_mask float [B,L] (1 on response tokens), behaviour_logp float [B,L] (aligned with the tokens),
+    rewards float [B], advantages float [B,L] (each trajectory's `advantage` on its response tokens; where it is NaN,
+    the registered estimator `advantage` computes it from the batch's rewards and groups), group_index long [B].
+    """
+    trajectories = [t for g in batch.groups if not g.filtered for t in g.trajectories]
+    group_ids = [g.group_id for g in batch.groups if not g.filtered for _ in g.trajectories]
+    width = max((t.num_tokens for t in trajectories), default=0)
+    input_ids = np.full((len(trajectories), width), pad_id, dtype=np.int64)
+    attention = np.zeros((len(trajectories), width), dtype=np.int64)
+    response = np.zeros((len(trajectories), width), dtype=np.float32)
+    behaviour = np.zeros((len(trajectories), width), dtype=np.float32)
+    for row, t in enumerate(trajectories):
+        if len(t.prompt_ids) == 0:
+            raise ValueError(f"trajectory {t.group_id}/{t.sample_idx} has an empty prompt; nothing conditions the "
+                             "first response token")
+        p, n = len(t.prompt_ids), t.num_tokens
+        input_ids[row, :n] = np.concatenate([t.prompt_ids, t.response_ids])
+        attention[row, :n] = 1
+        response[row, p:n] = 1
+        behaviour[row, p:n] = t.behaviour_logprobs
+    tensors = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "response_mask": torch.from_numpy(response),
+        "behaviour_logp": torch.from_numpy(behaviour),
+        "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        "group_index": torch.tensor(group_ids, dtype=torch.long),
+    }
+    tensors["advantages"] = _token_advantages(trajectories, tensors, advantage)
+    return tensors
+
+
+def _token_advantages(trajectories, tensors: dict[str, Tensor], advantage: str) -> Tensor:
+    given = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
+    result = given[:, None] * tensors["response_mask"]
+    missing = torch.isnan(given)
+    if bool(missing.any()):
+        estimated = get_advantage(advantage)(tensors["rewards"], tensors["group_index"], tensors["response_mask"])
+        result = torch.where(missing[:, None], estimated, result)
+    return result
+
+
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
+                      with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Per-token log p(x_t | x_<t) [B,L] (0 at t=0) and the entropy of that next-token distribution [B,L] (no grad)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token_logp = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    zero = token_logp.new_zeros(token_logp.shape[0], 1)
+    logp = torch.cat([zero, token_logp], dim=1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, torch.cat([zero, entropy], dim=1)
+
+
+def micro_batches(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
+    """Consecutive slices of `size` trajectories, each trimmed to its longest row (rows are right-padded)."""
+    rows = tensors["input_ids"].shape[0]
+    chunks = []
+    for start in range(0, rows, size):
+        chunk = {k: v[start:start + size] for k, v in tensors.items()}
+        width = int(chunk["attention_mask"].sum(-1).max())
+        chunks.append({k: (v[:, :width] if v.dim() == 2 else v) for k, v in chunk.items()})
+    return chunks
+
+
+def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, backward: Backward | None = None,
+                     device: torch.device | str | None = None,
+                     temperature: float = 1.0) -> tuple[Tensor, dict[str, float]]:
+    """Loss of the whole batch, computed over micro-batches of `cfg.micro_batch` trajectories.
+
+    Each micro-batch loss is normalised by the whole batch (`LossNorm`), so they sum to the full-batch loss. With
+    `backward`, each micro-batch loss is back-propagated as soon as it is computed (gradient accumulation; only one
+    micro-batch's graph is alive) and the returned loss is detached; without it, the returned loss holds every
+    graph. Metrics are token-weighted means over micro-batches (maxima for `*_max`) plus `loss`. Log-probs (policy
+    and reference) are taken at `temperature`, which must be the one the behaviour log-probs were sampled at.
+    """
+    loss_fn = get_loss(cfg.loss)
+    norm = LossNorm.of(tensors["response_mask"], cfg)
+    device = device if device is not None else next(model.parameters()).device
+    chunks = micro_batches(tensors, cfg.micro_batch)
+    total: Tensor = torch.zeros((), device=device)
+    collected: list[tuple[float, dict[str, float]]] = []
+    for i, chunk in enumerate(chunks):
+        chunk = {k: v.to(device) for k, v in chunk.items()}
+        loss, metrics = _micro_batch_loss(model, chunk, cfg, loss_fn, norm, ref_model, temperature)
+        if backward is not None:
+            backward(loss, i == len(chunks) - 1)
+            loss = loss.detach()
+        total = total + loss
+        collected.append((float(chunk["response_mask"].sum()), metrics))
+    merged = _merge_metrics(collected)
+    merged["loss"] = float(total.detach())
+    return total, merged
+
+
+def _micro_batch_loss(model, chunk: dict[str, Tensor], cfg, loss_fn, norm: LossNorm, ref_model,
+                      temperature: float) -> tuple[Tensor, dict[str, float]]:
+    mask = chunk["response_mask"]
+    logp, entropy = sequence_logprobs(model, chunk["input_ids"], chunk["attention_mask"], temperature)
+    loss, metrics = loss_fn(logp, chunk["behaviour_logp"], chunk["advantages"], mask, cfg,
+                            chunk.get("proximal_logp"), entropy=entropy, norm=norm)
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logp, _ = sequence_logprobs(ref_model, chunk["input_ids"], chunk["attention_mask"], temperature,
+                                            with_entropy=False)
+        kl = reference_kl(logp, ref_logp)
+        loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss_agg, norm)
+        metrics["kl"] = float(masked_mean(kl.detach(), mask))
+    return loss, metrics
+
+
+def _merge_metrics(collected: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    weight = sum(w for w, _ in collected)
+    merged: dict[str, float] = {}
+    for w, metrics in collected:
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                merged[key] = max(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value * (w / weight if weight else 0.0)
+    return merged

@@ -1,0 +1,154 @@
+"""DeepSpeed training backend: ZeRO stage 0-3, same interface and same objective as `torch_trainer`.
+
+Simplifications, and why:
+- One data-parallel rank (world size 1: the design has one trainer worker). The trainer still goes through
+  `deepspeed.init_distributed` (gloo on CPU, NCCL with CUDA), with MASTER_ADDR/MASTER_PORT (a free port)/RANK/
+  WORLD_SIZE/LOCAL_RANK set when absent, so the ZeRO code paths are the real ones. Splitting a TrainBatch across
+  ranks is not implemented: WORLD_SIZE > 1 is refused with a clear error.
+- A torch AdamW is passed in (`zero_allow_untested_optimizer`): DeepSpeed's CPU Adam takes ~85 s to compile.
+- Gradient accumulation is manual because a TrainBatch has a varying number of micro-batches: the accumulation
+  boundary is set off before the first micro-batch and on for the last backward, then `engine.step()` runs once.
+  DeepSpeed's config therefore says gradient_accumulation_steps=1; the objective normalises each micro-batch by the
+  whole batch, so no DeepSpeed loss scaling is involved (fp32, no fp16 loss scaler).
+- The model is loaded whole and partitioned by `deepspeed.initialize` (no `zero.Init` at load): fine for the models
+  that fit one host, which is what this project trains. The reference model (kl_coef > 0) is a plain frozen copy.
+- ZeRO-3 weights are gathered with `deepspeed.zero.GatheredParameters` to write the Hugging Face folder.
+- DeepSpeed's CPU shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+  only when LOCAL_SIZE is set (the DeepSpeed launcher sets it; we do not); `shm_buffer_paths()` lists this
+  process's, for clean-up by whoever owns the process.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import socket
+
+import torch
+
+from dora_tasks.algorithms.objective import batch_tensors, policy_objective
+from dora_tasks.contracts import TrainEngine
+from dora_tasks.engines.hf_io import (Stopwatch, batch_summary, check_train_config, default_device,
+                                      empty_update_metrics, load_policy, write_hf_folder)
+from dora_tasks.records import TrainBatch
+
+CHECKPOINT_TAG_PREFIX = "version_"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_distributed_env() -> None:
+    """Single-process defaults for torch.distributed's env:// rendezvous, leaving any value already set alone."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    if os.environ["WORLD_SIZE"] != "1":
+        raise NotImplementedError(f"DeepSpeedTrainEngine trains on one rank; WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                                  "(splitting a TrainBatch across data-parallel ranks is not implemented)")
+
+
+def shm_buffer_paths() -> list[str]:
+    """DeepSpeed's shared-memory all-reduce files of this process's rendezvous (MASTER_ADDR/MASTER_PORT)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return []
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*")
+
+
+def deepspeed_config(train_cfg) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": train_cfg.micro_batch,
+        "gradient_accumulation_steps": 1,  # accumulation is driven by set_gradient_accumulation_boundary
+        "gradient_clipping": float(train_cfg.max_grad_norm),
+        "zero_optimization": {"stage": train_cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainEngine(TrainEngine):
+    def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0):
+        check_train_config(train_cfg)  # a ZeRO stage out of range fails here, before DeepSpeed is touched
+        import deepspeed
+
+        self._deepspeed = deepspeed
+        self.cfg = train_cfg
+        self.model_path = model_path
+        self.version = version
+        self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
+        ensure_distributed_env()
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        device = default_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        model = load_policy(model_path, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=0.0)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                    config=deepspeed_config(train_cfg))
+        self.ref_model = load_policy(model_path, self.engine.device, trainable=False) if train_cfg.kl_coef > 0 else None
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
+        clock = Stopwatch()
+        tensors = batch_tensors(batch, advantage=self.cfg.advantage)
+        metrics = {**batch_summary(batch, tensors), **empty_update_metrics()}
+        if metrics["response_tokens"] > 0:
+            metrics.update(self._update(tensors))
+        self.version += 1
+        metrics["seconds"] = clock.seconds()
+        return metrics
+
+    def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(False)
+
+        def backward(loss: torch.Tensor, last: bool) -> None:
+            if last:
+                engine.set_gradient_accumulation_boundary(True)
+            engine.backward(loss)
+
+        _, metrics = policy_objective(engine, tensors, self.cfg, self.ref_model, backward=backward,
+                                      device=engine.device, temperature=self.temperature)
+        pre_step_norm = self._unreduced_grad_norm() if self.cfg.zero_stage == 0 else 0.0
+        engine.step()
+        reported = engine.get_global_grad_norm()  # None at stage 0
+        metrics["grad_norm"] = float(reported) if reported is not None else pre_step_norm
+        return metrics
+
+    def _unreduced_grad_norm(self) -> float:
+        """Stage 0 keeps plain .grad tensors and DeepSpeed does not record their norm: compute it before the step."""
+        grads = [p.grad.detach().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+
+    def save_weights(self, path: str) -> None:
+        state = self._gathered_state_dict() if self.cfg.zero_stage == 3 else None  # every rank must gather
+        if self.engine.global_rank == 0:
+            write_hf_folder(self.engine.module, path, self.model_path, state_dict=state)
+
+    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 keeps only a shard of each parameter on a rank: gather full copies for writing."""
+        module = self.engine.module
+        with self._deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def save_checkpoint(self, directory: str) -> None:
+        """DeepSpeed checkpoint (model, optimizer, ZeRO partitions) plus the policy version."""
+        self.engine.save_checkpoint(directory, tag=f"{CHECKPOINT_TAG_PREFIX}{self.version}",
+                                    client_state={"version": self.version})
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load the latest checkpoint of `directory` (DeepSpeed's `latest` file names it)."""
+        path, client_state = self.engine.load_checkpoint(directory)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r}")
+        self.version = int(client_state["version"])
+
+    def close(self) -> None:
+        """Release the engine's hooks and buffers; the process group stays up for the next engine."""
+        self.engine.destroy()

@@ -1,0 +1,97 @@
+"""Loading and writing Hugging Face model folders, and the metrics both trainers report.
+
+Shared by `torch_trainer` and `deepspeed_trainer` so the two backends read, write and report identically.
+Simplifications: the policy is always fp32 (mixed precision is left to a GPU run), dropout is switched off by keeping
+the module in eval mode (so the trainer's log-probs match the sampler's), and a folder is published atomically by
+writing next to it and renaming (a reader never sees a half-written folder when the target is new).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from dora_tasks.algorithms import get_advantage, get_loss
+from dora_tasks.records import TrainBatch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja")
+
+
+def check_train_config(train_cfg) -> None:
+    """Raise before any model or process group exists: ConfigError for bad values, UnknownAlgorithmError for names."""
+    train_cfg.validate()
+    get_loss(train_cfg.loss)
+    get_advantage(train_cfg.advantage)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_policy(model_path: str, device: torch.device | str = "cpu", trainable: bool = True):
+    """AutoModelForCausalLM in fp32 on `device`, dropout off; frozen (no grads) when not `trainable`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model.eval()
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def write_hf_folder(model, path: str, source_path: str, state_dict: dict | None = None) -> None:
+    """save_pretrained (safetensors) into `path`, plus the tokenizer files of `source_path` that exist."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    try:
+        model.save_pretrained(staging, state_dict=state_dict)
+        for name in TOKENIZER_FILES:
+            src = os.path.join(source_path, name)
+            if os.path.isfile(src):
+                shutil.copy2(src, os.path.join(staging, name))
+        _move_into_place(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into_place(staging: str, path: str) -> None:
+    try:
+        os.rename(staging, path)  # atomic when `path` does not exist yet
+    except OSError:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+
+
+def batch_summary(batch: TrainBatch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metrics of the batch itself (not of the update): sizes, tokens, rewards, staleness."""
+    staleness = batch.staleness or [0]
+    rewards = tensors["rewards"]
+    return {
+        "trajectories": float(rewards.numel()),
+        "groups_filtered": float(sum(1 for g in batch.groups if g.filtered)),
+        "tokens": float(tensors["attention_mask"].sum()),  # prompt + response tokens trained on
+        "response_tokens": float(tensors["response_mask"].sum()),
+        "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "staleness_mean": float(sum(staleness) / len(staleness)),
+        "staleness_max": float(max(staleness)),
+    }
+
+
+def empty_update_metrics() -> dict[str, float]:
+    """Defaults of the update metrics, reported as they are when a batch has no response token to train on."""
+    return {"loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

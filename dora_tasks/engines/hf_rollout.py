@@ -1,0 +1,144 @@
+"""Light rollout engine on transformers `generate` (CPU, fp32): the fallback when vLLM is not wanted or not there.
+
+It serves one policy version at a time, like a vLLM instance: `load_version` copies a published folder's safetensors
+into the live model in place, `generate` samples `n` responses per prompt in left-padded batches.
+
+Log-probs: each sampled token's log-prob is taken under the distribution it was actually sampled from, i.e. the
+log-softmax of the processed scores (`logits / temperature`, then top-p truncation, renormalised). With
+`top_p == 1` this is exactly `log_softmax(logits / temperature)`, and with `temperature == 1` the raw policy
+log-prob, which is what a trainer recomputes. Greedy decoding (`do_sample=False`, for evaluation) records the raw
+log-softmax of the logits.
+
+Simplified: no continuous batching (a batch decodes until its longest row ends, which is the rollout bubble the
+scheduler measures), no KV-cache reuse across calls, and no partial rollout (weight swap mid-generation).
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from dora_tasks.contracts import RolloutEngine
+from dora_tasks.model import EOS_ID, PAD_ID
+from dora_tasks.records import Generation
+from pipelines.config import RolloutConfig
+
+
+class WeightsError(ValueError):
+    """A weights folder is missing, or its tensors do not fit the live model."""
+
+
+def read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of the `*.safetensors` files of a Hugging Face folder (sharded or not)."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise WeightsError(f"no *.safetensors file in {folder!r}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    return state
+
+
+def load_weights_in_place(model: torch.nn.Module, folder: str) -> None:
+    """Copy a folder's tensors into `model`; tied weights absent from the file (lm_head) follow their tie."""
+    state = read_safetensors(folder)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise WeightsError(f"{folder!r} does not fit the model: missing {sorted(set(missing) - tied)}, "
+                           f"unexpected {sorted(unexpected)}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both [B, max_len], pad on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError("empty prompt: a prompt needs at least its bos token")
+        ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int) -> Generation:
+    """One row of generated tokens, cut after the first eos (kept) or left whole when there is none."""
+    eos = np.flatnonzero(tokens == EOS_ID)
+    end = int(eos[0]) + 1 if len(eos) else len(tokens)
+    return Generation(token_ids=tokens[:end].astype(np.int32), logprobs=logprobs[:end].astype(np.float32),
+                      versions=np.full(end, version, dtype=np.int32), finished=bool(len(eos)))
+
+
+class HFRolloutEngine(RolloutEngine):
+    """A transformers causal LM serving one version; see the module docstring for the log-prob convention."""
+
+    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
+                 do_sample: bool = True, max_batch: int = 256) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self._init(model, rollout_cfg, version, do_sample, max_batch)
+
+    @classmethod
+    def from_model(cls, model: transformers.PreTrainedModel, rollout_cfg: RolloutConfig, version: int = 0, *,
+                   do_sample: bool = True, max_batch: int = 256) -> "HFRolloutEngine":
+        """Serve an in-memory model (shared, not copied): for evaluation during warm start and for tests."""
+        engine = cls.__new__(cls)
+        engine._init(model, rollout_cfg, version, do_sample, max_batch)
+        return engine
+
+    def _init(self, model, rollout_cfg: RolloutConfig, version: int, do_sample: bool, max_batch: int) -> None:
+        self.model = model.float().eval()
+        self.cfg = rollout_cfg
+        self.version = version
+        self.max_batch = max_batch
+        self.generation_config = self._generation_config(rollout_cfg, do_sample)
+
+    @staticmethod
+    def _generation_config(cfg: RolloutConfig, do_sample: bool) -> transformers.GenerationConfig:
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0) if do_sample else {}
+        return transformers.GenerationConfig(
+            do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+            return_dict_in_generate=True, output_scores=True, **sampling)
+
+    def load_version(self, version: int, weights_path: str) -> None:
+        with torch.no_grad():
+            load_weights_in_place(self.model, weights_path)
+        self.version = version
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.cfg.max_new_tokens
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
+                 max_new_tokens: int | None = None) -> list[list[Generation]]:
+        """`n` samples per prompt; `max_new_tokens` overrides the config's budget (chunks of a partial rollout).
+
+        Sampling is seeded by `seed` (and the batch offset) under a forked RNG, so the global RNG is untouched.
+        """
+        generation_config = self.generation_config
+        if max_new_tokens is not None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.max_new_tokens = max_new_tokens
+        rows = [p for p in prompts for _ in range(n)]
+        flat: list[Generation] = []
+        for start in range(0, len(rows), self.max_batch):
+            flat.extend(self._generate_batch(rows[start:start + self.max_batch], seed + start, generation_config))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: Sequence[Sequence[int]], seed: int,
+                        generation_config: transformers.GenerationConfig) -> list[Generation]:
+        input_ids, mask = left_pad(rows)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=generation_config)
+        tokens = out.sequences[:, input_ids.shape[1]:]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V], the processed (sampling) scores
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        tokens_np, logprobs_np = tokens.numpy(), logprobs.numpy()
+        return [cut_at_eos(tokens_np[r], logprobs_np[r], self.version) for r in range(len(rows))]

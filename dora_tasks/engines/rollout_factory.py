@@ -1,0 +1,39 @@
+"""Build the rollout engine a `RolloutConfig` names ("vllm" or "hf"), importing only that backend.
+
+Both backends are imported lazily, by module name, inside `make_rollout_engine`: importing this module costs nothing
+(no torch, no vllm), so it is safe to import in the driver, in spawned processes and in Dask workers that never serve
+rollouts.
+
+`EngineConfigError` lives here because it is engine-agnostic and this module is the one every caller goes through.
+(Simplification: it would sit better in `dora_tasks.contracts`, next to `RolloutEngine`.)
+"""
+from __future__ import annotations
+
+import importlib
+
+from dora_tasks.contracts import RolloutEngine
+from pipelines.config import RolloutConfig
+
+
+class EngineConfigError(ValueError):
+    """An engine cannot start with the given model or settings; the message names the setting and what would work."""
+
+
+# rollout.engine -> (module, class); every class takes (model_path, rollout_cfg, version=0).
+ROLLOUT_ENGINES: dict[str, tuple[str, str]] = {
+    "vllm": ("dora_tasks.engines.vllm_rollout", "VLLMRolloutEngine"),
+    "hf": ("dora_tasks.engines.hf_rollout", "HFRolloutEngine"),
+}
+
+
+def rollout_engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class registered under `name`, imported on first use."""
+    if name not in ROLLOUT_ENGINES:
+        raise EngineConfigError(f"rollout.engine: got {name!r}, allowed: {', '.join(ROLLOUT_ENGINES)}")
+    module_name, class_name = ROLLOUT_ENGINES[name]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def make_rollout_engine(model_path: str, rollout_cfg: RolloutConfig, version: int = 0) -> RolloutEngine:
+    """A rollout engine serving `model_path` as policy `version`, of the kind `rollout_cfg.engine` names."""
+    return rollout_engine_class(rollout_cfg.engine)(model_path, rollout_cfg, version)

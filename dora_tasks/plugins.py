@@ -1,0 +1,97 @@
+"""Per-worker state as Dask WorkerPlugins: the rollout server on rollout instances, the train engine on the trainer.
+
+Worker labels (Dask resources) decide who is who:
+  rollout instance: ``GPU=1,ROLLOUT=<slots>``  (and ``--nthreads <slots>``)
+  trainer:          ``GPU=1,TRAINER=1``
+  CPU worker:       ``CPU=<threads>``          (reward and advantage tasks)
+A plugin registered on the whole cluster sets itself up only on the workers that carry its label, creates its engine
+lazily on first use (engine start takes seconds), and is set up again by Dask when the Nanny restarts a killed worker.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from distributed import WorkerPlugin, get_worker
+
+from pipelines.config import RolloutConfig, TrainConfig
+
+ROLLOUT_PLUGIN = "dora-rollout"
+TRAINER_PLUGIN = "dora-trainer"
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def _set_worker_env() -> None:
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+@dataclass
+class RolloutPlugin(WorkerPlugin):
+    model_path: str
+    rollout: RolloutConfig
+    weight_store: str
+    name: str = ROLLOUT_PLUGIN
+
+    def setup(self, worker) -> None:
+        self.server = None
+        if "ROLLOUT" not in worker.state.total_resources:
+            return
+        _set_worker_env()
+        from dora_tasks.engines.rollout_factory import make_rollout_engine
+        from dora_tasks.rollout_server import RolloutServer
+
+        newest = None
+        if self.rollout.partial_rollout:
+            from storage.weight_store import WeightStore
+
+            store = WeightStore(self.weight_store)
+            newest = lambda: (store.latest(), store.path_for(store.latest()))  # noqa: E731
+        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), newest,
+                                    self.rollout.partial_chunk_tokens if self.rollout.partial_rollout else 0)
+
+    def teardown(self, worker) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+
+
+@dataclass
+class TrainerPlugin(WorkerPlugin):
+    """The train engine. Created from the published weights of the version the first update asks for, so a trainer
+    worker that died and was restarted by its Nanny continues from the last published version (its optimizer state
+    comes back only from a checkpoint)."""
+
+    weight_store: str
+    train: TrainConfig
+    name: str = TRAINER_PLUGIN
+
+    def setup(self, worker) -> None:
+        self.engine = None
+        if "TRAINER" in worker.state.total_resources:
+            _set_worker_env()
+
+    def get_engine(self, version: int):
+        if self.engine is None:
+            from dora_tasks.engines.factory import make_train_engine
+            from storage.weight_store import WeightStore
+
+            path = WeightStore(self.weight_store).path_for(version)
+            self.engine = make_train_engine(path, self.train, version=version)
+        return self.engine
+
+
+def rollout_server():
+    plugin = get_worker().plugins[ROLLOUT_PLUGIN]
+    if plugin.server is None:
+        raise RuntimeError(f"worker {get_worker().address} is not a rollout instance (needs the ROLLOUT resource)")
+    return plugin.server
+
+
+def trainer_plugin() -> TrainerPlugin:
+    return get_worker().plugins[TRAINER_PLUGIN]

@@ -1,0 +1,148 @@
+"""The functions Dask runs: rollout, reward, advantage, gate, update, publish. Thin shells over engines and pure code.
+
+Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys that carry the
+version, e.g. ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import torch
+from distributed import get_worker
+
+from dora_tasks.records import Group, Prompt, PublishedWeights, TrainBatch, Trajectory, UpdateResult  # noqa: F401
+
+
+# ---- rollout (rollout instance, label ROLLOUT) -------------------------------------------------------------------
+def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, group_size: int, seed: int,
+            attempt: int = 0) -> Group:
+    """Generate the G responses of one prompt on this instance, all with policy `version`."""
+    from dora_tasks.plugins import rollout_server
+
+    server = rollout_server()
+    start = time.time()
+    gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed)
+    prompt_ids = np.asarray(prompt.token_ids, dtype=np.int32)
+    trajectories = [
+        Trajectory(group_id, i, prompt_ids, g.token_ids, g.versions, g.logprobs, g.finished)
+        for i, g in enumerate(gens)
+    ]
+    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, time.time())
+
+
+# ---- reward (CPU worker) -----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_path: str):
+    from dora_tasks.model import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+@functools.lru_cache(maxsize=16)
+def _reward_fn(dotted: str):
+    from dora_tasks.workloads.rewards import resolve_reward_fn
+
+    return resolve_reward_fn(dotted)
+
+
+def reward(group: Group, model_path: str, reward_fn: str, timeout_s: float) -> Group:
+    """Score every response; an exception or a timeout is recorded on the trajectory, never raised."""
+    from dora_tasks.workloads.rewards import score
+
+    tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
+    for t in group.trajectories:
+        text = tokenizer.decode(t.response_ids)
+        t.reward, t.reward_error = score(fn, group.prompt.text, text, group.prompt.answer, timeout_s)
+    return group
+
+
+# ---- advantage (CPU worker, one complete group) ------------------------------------------------------------------
+def advantage(group: Group, estimator: str, filter_degenerate: bool = False) -> Group:
+    """Set each trajectory's advantage from its group. Failed rewards count as 0 and stay recorded."""
+    from dora_tasks.algorithms.advantages import group_is_degenerate
+    from dora_tasks.algorithms.registry import get_advantage
+
+    rewards = torch.tensor(np.nan_to_num(group.rewards, nan=0.0), dtype=torch.float32)
+    lengths = [max(1, len(t.response_ids)) for t in group.trajectories]
+    mask = torch.zeros(len(lengths), max(lengths))
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    adv = get_advantage(estimator)(rewards, torch.zeros(len(lengths), dtype=torch.long), mask)
+    for t, row in zip(group.trajectories, adv):
+        t.advantage = float(row[0])
+    if filter_degenerate and group_is_degenerate(rewards):
+        group.filtered = "zero_variance"
+    return group
+
+
+# ---- gate (CPU worker): re-checks the pure gate's decision on the actual data ------------------------------------
+class StalenessViolation(RuntimeError):
+    pass
+
+
+def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions: bool, *groups: Group) -> TrainBatch:
+    """Pass the batch to update `update` only if it keeps C1, C2 and C3; raise otherwise (nothing is trained)."""
+    for g in groups:
+        if not 0 <= update - g.version <= max_staleness:
+            raise StalenessViolation(f"group {g.group_id} of version {g.version} in update {update} (K={max_staleness})")
+        if len(g.trajectories) != group_size:
+            raise StalenessViolation(f"group {g.group_id} has {len(g.trajectories)} of {group_size} trajectories")
+        mixed = [t.sample_idx for t in g.trajectories if t.distinct_versions - {g.version}]
+        if mixed and not allow_mixed_versions:
+            raise StalenessViolation(f"group {g.group_id}: trajectories {mixed} hold tokens of another version")
+    return TrainBatch(update, list(groups), max_staleness)
+
+
+# ---- update and publish (trainer, label TRAINER) -----------------------------------------------------------------
+def update(batch: TrainBatch) -> UpdateResult:
+    """One policy update from version `batch.update`; the engine then holds version `batch.update + 1`."""
+    from dora_tasks.plugins import trainer_plugin
+
+    engine = trainer_plugin().get_engine(batch.update)
+    if engine.version != batch.update:
+        raise RuntimeError(f"trainer holds version {engine.version}, update {batch.update} needs it")
+    start = time.time()
+    trainable = [g for g in batch.groups if not g.filtered]
+    metrics = engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)) if trainable else {}
+    if not trainable:
+        engine.version += 1
+    metrics = {k: float(v) for k, v in metrics.items()}
+    metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
+    return UpdateResult(batch.update, metrics, start, time.time())
+
+
+def publish(result: UpdateResult, weight_store: str) -> PublishedWeights:
+    """Write the weights of version `result.update + 1` to the weight store."""
+    from dora_tasks.plugins import trainer_plugin
+    from storage.weight_store import WeightStore
+
+    engine = trainer_plugin().get_engine(result.update + 1)
+    return WeightStore(weight_store).publish(result.update + 1, engine.save_weights, overwrite=True)
+
+
+def save_trainer_checkpoint(folder: str) -> str:
+    from dora_tasks.plugins import trainer_plugin
+
+    engine = trainer_plugin().engine
+    engine.save_checkpoint(folder)
+    return folder
+
+
+def load_trainer_checkpoint(folder: str, version: int) -> int:
+    from dora_tasks.plugins import trainer_plugin
+
+    engine = trainer_plugin().get_engine(version)
+    engine.load_checkpoint(folder)
+    return engine.version
+
+
+# ---- held-out evaluation (CPU worker) ----------------------------------------------------------------------------
+def evaluate(weights_path: str, prompts: list[Prompt], model_path: str, reward_fn: str, max_new_tokens: int,
+             seed: int) -> float:
+    """Greedy held-out accuracy of a published version (the tokenizer comes from the initial model folder)."""
+    from dora_tasks.warmstart import evaluate as evaluate_policy
+
+    return evaluate_policy(weights_path, prompts, _reward_fn(reward_fn), greedy=True, seed=seed,
+                           max_new_tokens=max_new_tokens, tokenizer=_tokenizer(model_path))

@@ -1,0 +1,185 @@
+"""Warm start: a small policy built from scratch and fine-tuned on the task's demonstrations, so RL starts from a
+model that sometimes succeeds (no pretrained weights are reachable here).
+
+`warm_start(cfg, out_dir)` builds the tokenizer and a tiny Qwen2, runs `model.warmstart_steps` steps of supervised
+fine-tuning (AdamW, `model.warmstart_lr` with a short warm-up then cosine decay, `model.warmstart_batch` prompts per
+step, loss on response tokens and eos only), and saves the policy. It is cached: a folder holding a finished policy
+for the same settings (`warmstart.json`) is returned at once.
+
+The loss is the mean over examples of each example's mean token loss, not a mean over all tokens: on a long-tailed
+task a token mean is dominated by the few long answers, and the model then learns the middle of long answers before
+it learns to copy the count and stop (measured: 0.22 vs 0.59 sampled accuracy after 200 steps).
+
+Simplified: the demonstration of a prompt is its answer (for countdown that is `countdown.demonstration`); a step's
+batch is sorted by length and run in chunks of similar length with gradient accumulation (same gradient as one
+padded batch, a fraction of the padding on a long-tailed task); no validation-based early stop, since the target is
+a model that is partly right, not a good one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_policy
+from dora_tasks.records import Prompt
+from dora_tasks.workloads.datasets import load_prompts
+from pipelines.config import Config, RolloutConfig
+
+SETTINGS_FILE = "warmstart.json"
+CHUNK_TOKENS = 2048  # padded tokens per forward pass inside a step
+WARMUP_FRACTION = 0.05
+
+
+def warm_start(cfg: Config, out_dir: str) -> str:
+    """Build, fine-tune and save the initial policy into `out_dir` (or reuse a finished one); returns `out_dir`."""
+    settings = warmstart_settings(cfg)
+    if cached(out_dir, settings):
+        return out_dir
+    tokenizer = CharTokenizer()
+    train, _ = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.dora.seed)
+    start = time.perf_counter()
+    losses = supervised_finetune(model, examples(train, tokenizer), cfg.model.warmstart_steps,
+                                 cfg.model.warmstart_lr, cfg.model.warmstart_batch, cfg.dora.seed)
+    save_policy(model, tokenizer, out_dir)
+    record = {"settings": settings, "seconds": time.perf_counter() - start,
+              "final_loss": float(np.mean(losses[-10:])) if losses else float("nan")}
+    with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
+        json.dump(record, f, indent=1)
+    return out_dir
+
+
+def warmstart_settings(cfg: Config) -> dict:
+    """Everything the warm-started weights depend on; a cached folder is reused only when this matches."""
+    m, t = cfg.model, cfg.task
+    return {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "steps": m.warmstart_steps, "lr": m.warmstart_lr, "batch": m.warmstart_batch, "seed": cfg.dora.seed,
+            "task": t.name, "dataset": t.dataset, "prompt_key": t.prompt_key, "answer_key": t.answer_key,
+            "num_prompts": t.num_prompts, "max_count": t.max_count, "format": 1}
+
+
+def cached(out_dir: str, settings: dict) -> bool:
+    path = os.path.join(out_dir, SETTINGS_FILE)
+    if not (os.path.isfile(path) and os.path.isfile(os.path.join(out_dir, "model.safetensors"))):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f).get("settings") == settings
+    except (OSError, ValueError):
+        return False
+
+
+def examples(prompts: Sequence[Prompt], tokenizer: CharTokenizer) -> list[tuple[list[int], int]]:
+    """(prompt + demonstration + eos token ids, prompt length) per prompt."""
+    return [(list(p.token_ids) + tokenizer.encode(p.answer) + [tokenizer.eos_id], len(p.token_ids))
+            for p in prompts]
+
+
+def supervised_finetune(model: torch.nn.Module, data: Sequence[tuple[list[int], int]], steps: int, lr: float,
+                        batch: int, seed: int) -> list[float]:
+    """`steps` AdamW steps of next-token loss on the response part of `data`; returns the per-step losses."""
+    if steps == 0:
+        return []
+    rng = np.random.default_rng(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
+    model.train()
+    losses = []
+    for _ in range(steps):
+        picked = [data[i] for i in rng.choice(len(data), size=batch, replace=len(data) < batch)]
+        losses.append(accumulate_batch(model, picked))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return losses
+
+
+def lr_factor(step: int, steps: int) -> float:
+    warmup = max(1, int(WARMUP_FRACTION * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def accumulate_batch(model: torch.nn.Module, batch: Sequence[tuple[list[int], int]]) -> float:
+    """Backward of the batch loss (per-example mean of response-token losses, averaged over examples), run in
+    length-sorted chunks; returns the loss."""
+    batch = sorted(batch, key=lambda ex: len(ex[0]))
+    loss_sum = 0.0
+    for chunk in length_chunks(batch):
+        input_ids, labels = pad_right(chunk)
+        per_example = example_losses(model(input_ids=input_ids).logits, labels)
+        (per_example.sum() / len(batch)).backward()
+        loss_sum += per_example.sum().item()
+    return loss_sum / len(batch)
+
+
+def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy per row [B] over the positions whose label is not -100."""
+    targets = labels[:, 1:]
+    token_losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=-100,
+                                                     reduction="none")
+    counts = (targets != -100).sum(dim=1).clamp(min=1)
+    return token_losses.sum(dim=1) / counts
+
+
+def length_chunks(batch: Sequence[tuple[list[int], int]]) -> list[list[tuple[list[int], int]]]:
+    """Consecutive chunks of a length-sorted batch, each at most CHUNK_TOKENS once padded (at least one row)."""
+    chunks, current = [], []
+    for ex in batch:
+        if current and (len(current) + 1) * len(ex[0]) > CHUNK_TOKENS:
+            chunks.append(current)
+            current = []
+        current.append(ex)
+    return chunks + [current] if current else chunks
+
+
+def pad_right(chunk: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [B, L]: pad on the right (causal attention never looks ahead, so no mask is needed);
+    labels are -100 on the prompt and the padding."""
+    width = max(len(ids) for ids, _ in chunk)
+    input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+    labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+    for row, (ids, prompt_len) in enumerate(chunk):
+        input_ids[row, :len(ids)] = torch.as_tensor(ids)
+        labels[row, prompt_len:len(ids)] = torch.as_tensor(ids[prompt_len:])
+    return input_ids, labels
+
+
+def evaluate(policy, prompts: Sequence[Prompt], reward_fn: Callable[[str, str, str], float] | None = None, *,
+             greedy: bool = False, seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
+             tokenizer: CharTokenizer | None = None) -> float:
+    """Held-out accuracy: the share of prompts whose one response gets reward 1.
+
+    `policy` is a model folder, an in-memory model, or a `RolloutEngine`; sampling at `temperature` (the rollout
+    setting) or greedy. `reward_fn` defaults to the countdown reward; `tokenizer` defaults to the folder's (or the
+    built-in character tokenizer).
+    """
+    from dora_tasks.workloads import countdown
+
+    engine = evaluation_engine(policy, greedy, max_new_tokens, temperature)
+    tokenizer = tokenizer or (load_tokenizer(policy) if isinstance(policy, str) else CharTokenizer())
+    reward_fn = reward_fn or countdown.reward
+    generations = engine.generate([p.token_ids for p in prompts], 1, seed)
+    rewards = [reward_fn(p.text, tokenizer.decode(g[0].token_ids), p.answer) for p, g in zip(prompts, generations)]
+    return float(np.mean([r == 1.0 for r in rewards])) if rewards else float("nan")
+
+
+def evaluation_engine(policy, greedy: bool, max_new_tokens: int, temperature: float):
+    from dora_tasks.contracts import RolloutEngine
+    from dora_tasks.engines.hf_rollout import HFRolloutEngine
+
+    if isinstance(policy, RolloutEngine):
+        return policy
+    rollout_cfg = RolloutConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    if isinstance(policy, str):
+        return HFRolloutEngine(policy, rollout_cfg, do_sample=not greedy)
+    return HFRolloutEngine.from_model(policy, rollout_cfg, do_sample=not greedy)

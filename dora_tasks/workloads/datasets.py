@@ -1,0 +1,125 @@
+"""Prompt sets: the procedural countdown task, or prompts read from jsonl, parquet or a Hugging Face dataset.
+
+`load_prompts(task_cfg, tokenizer, seed)` returns `(train, eval)` lists of `records.Prompt`. Every row must hold
+`task.prompt_key` and `task.answer_key`; a row without them raises `DatasetError` naming the file, the row and the
+key, before any work starts.
+
+Simplified: files are read whole into memory (prompt sets are small next to rollouts); the eval set of a file dataset
+is its last `task.eval_prompts` rows after a seeded shuffle, not a separate split; `hf:` datasets are read with
+`datasets.load_dataset` (offline here: a cached hub dataset, or a folder written by `save_to_disk`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import numpy as np
+
+from dora_tasks.records import Prompt
+from dora_tasks.workloads import countdown
+from pipelines.config import TaskConfig
+
+EVAL_SEED_OFFSET = 1_000_003  # countdown eval prompts use seed + this, so they never share the train stream
+
+
+class DatasetError(ValueError):
+    """A prompt dataset is missing, unreadable, or a row lacks a field the task needs; the message says which."""
+
+
+def load_prompts(task_cfg: TaskConfig, tokenizer, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval) prompts for the configured task; eval prompts are held out (disjoint ids)."""
+    if task_cfg.name == "countdown":
+        return countdown_prompts(task_cfg, tokenizer, seed)
+    rows = read_rows(task_cfg.dataset)
+    prompts = rows_to_prompts(rows, task_cfg, tokenizer, source=task_cfg.dataset)
+    return split_eval(prompts, task_cfg.eval_prompts, seed)
+
+
+def countdown_prompts(task_cfg: TaskConfig, tokenizer, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    train = countdown.make_prompts(task_cfg.num_prompts, seed, tokenizer, task_cfg.max_count)
+    held_out = countdown.make_prompts(task_cfg.eval_prompts, seed + EVAL_SEED_OFFSET, tokenizer, task_cfg.max_count,
+                                      start_id=task_cfg.num_prompts)
+    return train, held_out
+
+
+def read_rows(source: str) -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` / `.parquet` file or of `hf:<name-or-folder>[:split]`, as dicts."""
+    if source.startswith("hf:"):
+        return read_hf(source[3:])
+    if not os.path.isfile(source):
+        raise DatasetError(f"dataset file {source!r} does not exist")
+    if source.endswith(".jsonl"):
+        return read_jsonl(source)
+    if source.endswith(".parquet"):
+        return read_parquet(source)
+    raise DatasetError(f"dataset {source!r}: unsupported format; use .jsonl, .parquet or hf:<name>[:split]")
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path!r} row {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path!r} row {number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def read_parquet(path: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise DatasetError(f"{path!r}: cannot read parquet ({type(exc).__name__}: {exc})") from None
+
+
+def read_hf(spec: str) -> list[dict[str, Any]]:
+    """`name[:split]` (split defaults to train); a local folder from `save_to_disk` is read with `load_from_disk`."""
+    import datasets
+
+    name, _, split = spec.partition(":")
+    split = split or "train"
+    try:
+        if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
+            data = datasets.load_from_disk(name)[split]
+        elif os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # not found, offline, bad split: all reported the same way
+        raise DatasetError(f"hf:{spec}: cannot load ({type(exc).__name__}: {exc})") from None
+    return list(data)
+
+
+def rows_to_prompts(rows: Iterable[dict[str, Any]], task_cfg: TaskConfig, tokenizer, source: str) -> list[Prompt]:
+    prompts = []
+    for number, row in enumerate(rows, start=1):
+        text = required_field(row, task_cfg.prompt_key, source, number)
+        answer = required_field(row, task_cfg.answer_key, source, number)
+        prompts.append(Prompt(prompt_id=number - 1, text=text, answer=answer,
+                              token_ids=(tokenizer.bos_id, *tokenizer.encode(text))))
+    if not prompts:
+        raise DatasetError(f"{source!r} holds no rows")
+    return prompts
+
+
+def required_field(row: dict[str, Any], key: str, source: str, number: int) -> str:
+    if key not in row or row[key] is None:
+        raise DatasetError(f"{source!r} row {number}: missing key {key!r} (row keys: {', '.join(map(str, row))})")
+    return str(row[key])
+
+
+def split_eval(prompts: list[Prompt], eval_size: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Seeded shuffle, then the last `eval_size` prompts are held out (at most half of the set)."""
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    shuffled = [prompts[i] for i in order]
+    held = min(eval_size, len(prompts) // 2)
+    return shuffled[:len(prompts) - held], shuffled[len(prompts) - held:]

@@ -1,0 +1,235 @@
+"""`dora`: the command line of the project (console script `dora = pipelines.cli:main`, or `python -m pipelines.cli`).
+
+    dora run       --config FILE [key=value ...]          train with DORA multi-version streaming rollout
+    dora warmstart --config FILE [key=value ...] [--out]  build and warm-start the initial policy only
+    dora resume    RUN_DIR [key=value ...]                continue a killed or finished run from its checkpoint
+    dora audit     STORE [--max-staleness K] [--json]     check C1-C3 on a trajectory store
+    dora plots     RUN_DIR [--store S] [--out DIR]        redraw the PNGs of a run from its trajectory store
+    dora config    --config FILE [key=value ...]          print the resolved configuration as YAML
+
+Bad input (unknown key, wrong type, out-of-range value, missing file, malformed override) prints one line
+`dora: error: <message>` on stderr and exits with 2, without a traceback. Input errors are: `ConfigError`, the
+command line's own `UsageError`, any exception class defined in this project (pipelines, dora_tasks, storage)
+whose name ends in "Error" and which subclasses ValueError (e.g. `DatasetError`, `RunFolderError`), and the few
+listed in `EXTRA_INPUT_ERRORS` (`ClusterError`: the scheduler address is the user's). Everything else is a bug and
+keeps its traceback.
+
+Simplified: the heavy modules (pipeline, warm start, store, audit, matplotlib) are imported inside the command that
+needs them, so `dora --help` and `dora config` answer at once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+PROJECT_PACKAGES = ("pipelines", "dora_tasks", "storage")
+# Input errors that are not ValueErrors: an unreachable or unsuitable cluster.scheduler_address is the user's to fix.
+EXTRA_INPUT_ERRORS = ("pipelines.cluster.ClusterError",)
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml")
+STORE_NAME = "trajectories.zarr"
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+OVERRIDES_HELP = ("config overrides as section.key=value (YAML values), applied after the file, "
+                  "e.g. dora.max_staleness=0 rollout.instances=4")
+
+
+class UsageError(ValueError):
+    """The command line itself is wrong (bad option, missing folder); the message says what."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage and exiting, so every error is one line."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def is_input_error(exc: BaseException) -> bool:
+    """True for the project's own input-validation errors (see the module docstring)."""
+    cls = type(exc)
+    if isinstance(exc, UsageError) or f"{cls.__module__}.{cls.__qualname__}" in EXTRA_INPUT_ERRORS:
+        return True
+    return (isinstance(exc, ValueError) and cls is not ValueError and cls.__name__.endswith("Error")
+            and cls.__module__.split(".")[0] in PROJECT_PACKAGES)
+
+
+def load(args: argparse.Namespace):
+    from pipelines.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def existing_dir(path: str, what: str) -> str:
+    if not os.path.isdir(path):
+        raise UsageError(f"{what} {path!r} does not exist or is not a folder")
+    return path
+
+
+def config_yaml(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def find_store(run_dir: str, store: str | None) -> str:
+    """`--store`, else `<run_dir>/trajectories.zarr`, else RUN_DIR itself when it is a store."""
+    if store:
+        return store
+    candidate = os.path.join(run_dir, STORE_NAME)
+    if os.path.isdir(candidate):
+        return candidate
+    if os.path.isfile(os.path.join(run_dir, "zarr.json")):
+        return run_dir
+    raise UsageError(f"no trajectory store in {run_dir!r} (expected {candidate!r}; pass --store)")
+
+
+# ----------------------------------------------------------------------------------------------- commands
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    from pipelines.streaming import run_pipeline
+
+    print(run_pipeline(cfg).to_text())
+    return 0
+
+
+def cmd_warmstart(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if args.out:
+        from dora_tasks.warmstart import warm_start
+
+        path = warm_start(cfg, args.out)
+    else:  # the cache folder `dora run` itself uses, so this pre-warms the next run
+        from pipelines.driver import initial_policy
+
+        path = initial_policy(cfg)
+    print(f"warm-started policy: {path}\nuse it with: model.path={path}")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = existing_dir(args.run_dir, "run folder")
+    from pipelines.config import apply_overrides
+
+    apply_overrides({}, list(args.overrides))  # malformed overrides fail here, before anything starts
+    from pipelines.streaming import resume_pipeline
+
+    print(resume_pipeline(run_dir, list(args.overrides)).to_text())
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    if "://" not in args.store and not os.path.exists(args.store):
+        raise UsageError(f"trajectory store {args.store!r} does not exist")
+    from storage.audit import main as audit_main
+
+    argv = [args.store] + (["--max-staleness", str(args.max_staleness)] if args.max_staleness is not None else [])
+    return int(audit_main(argv + (["--json"] if args.json else [])))
+
+
+def cmd_plots(args: argparse.Namespace) -> int:
+    run_dir = existing_dir(args.run_dir, "run folder")
+    store_path = find_store(run_dir, args.store)
+    from pipelines.plots import make_plots
+    from storage.schema import StoreError
+    from storage.trajectory_store import TrajectoryStore
+
+    try:
+        store = TrajectoryStore.open(store_path)
+        tables = {name: store.read_table(name) for name in ("trajectories", "updates", "dispatch")}
+    except StoreError as exc:
+        raise UsageError(f"cannot read trajectory store {store_path!r}: {exc}") from None
+    K = args.max_staleness if args.max_staleness is not None else store.meta.get("max_staleness")
+    beside = run_dir if store_path != run_dir else os.path.dirname(os.path.abspath(run_dir))  # never inside a store
+    paths = make_plots(tables, args.out or os.path.join(beside, "plots"), K)
+    print("\n".join(paths) if paths else f"nothing to plot: {store_path!r} holds no rows yet")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(config_yaml(load(args)))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- parser
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG,
+                   help="YAML file overriding the defaults of pipelines/config.py (default: configs/cpu_demo.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dora", description="DORA multi-version streaming rollout for asynchronous RL "
+                     "post-training of LLMs, on Dask.",
+                     epilog="Run 'dora <command> --help' for the options of a command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, required=True)
+
+    p = sub.add_parser("run", help="train: rollout, reward, advantage, version gate, update, publish",
+                       description="Run the pipeline: on an embedded LocalCluster, or on cluster.scheduler_address. "
+                       "Prints a summary (throughput, staleness, reward) and where MLflow and the plots are.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("warmstart", help="build and warm-start the initial policy, then stop",
+                       description="Build the small model from scratch and fine-tune it on the task's "
+                       "demonstrations (model.warmstart_* settings). Cached: a finished folder with the same "
+                       "settings is reused.")
+    _add_config_args(p)
+    p.add_argument("--out", metavar="DIR", help="output folder (default: the settings-keyed cache that `dora run` "
+                   "uses, $DORA_CACHE or ~/.cache/dora/warmstart/<digest>)")
+    p.set_defaults(func=cmd_warmstart)
+
+    p = sub.add_parser("resume", help="continue a run from its last checkpoint",
+                       description="Resume the run in RUN_DIR from its last checkpoint: nothing lost, nothing "
+                       "trained twice. Overrides apply on top of the run's saved configuration.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (storage.run_dir of the run)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. dora.num_updates=20 to train longer")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("audit", help="check C1-C3 (one version per trajectory, whole groups once, staleness <= K)",
+                       description="Audit a trajectory store. Exit code 0: clean, 1: violations, 2: unusable store.")
+    p.add_argument("store", metavar="STORE", help="trajectory store path or fsspec URL (<run_dir>/trajectories.zarr)")
+    p.add_argument("--max-staleness", type=int, metavar="K", help="the bound K (default: the store's own)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("plots", help="draw learning, staleness, timeline and throughput PNGs of a run",
+                       description="Read the run's trajectory store and write learning.png, staleness.png, "
+                       "timeline.png and throughput.png.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (or a trajectory store)")
+    p.add_argument("--store", metavar="STORE", help="trajectory store (default: RUN_DIR/trajectories.zarr)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/plots, or next to a STORE given "
+                   "as RUN_DIR)")
+    p.add_argument("--max-staleness", type=int, metavar="K", help="K to mark (default: the store's own)")
+    p.set_defaults(func=cmd_plots)
+
+    p = sub.add_parser("config", help="print the resolved configuration as YAML",
+                       description="Load FILE, apply the overrides, validate, and print every key as YAML.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        print("dora: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless it is an input error
+        if not is_input_error(exc):
+            raise
+        print(f"dora: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, even for YAML errors
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

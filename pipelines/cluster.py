@@ -1,0 +1,94 @@
+"""Start the embedded cluster, or attach to one by scheduler address, and check its workers carry the right labels.
+
+Embedded default: a SpecCluster of Nanny worker processes on this machine, GPU-labelled like a real cluster:
+  rollout-i   ``GPU=1, ROLLOUT=<rollout.slots>``, ``nthreads=<rollout.slots>`` (one per instance)
+  trainer     ``GPU=1, TRAINER=1``, ``nthreads=1``
+  cpu-i       ``CPU=<cluster.cpu_threads>`` (reward and advantage)
+A real cluster is launched the same way by hand (see the README):
+  dask scheduler
+  dask worker tcp://HOST:8786 --nthreads 4 --resources "GPU=1,ROLLOUT=4"     # one per rollout GPU
+  dask worker tcp://HOST:8786 --nthreads 1 --resources "GPU=1,TRAINER=1"     # the trainer GPU
+  dask worker tcp://HOST:8786 --nthreads 4 --resources "CPU=4"               # reward workers
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from dora_tasks.plugins import WORKER_ENV
+from pipelines.config import Config
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be reached or lacks workers with the needed labels."""
+
+
+@dataclass
+class Workers:
+    rollout: dict[str, int]  # address -> slots (value of the ROLLOUT resource)
+    trainer: list[str]
+    cpu: list[str]
+
+
+def embedded_cluster(cfg: Config) -> SpecCluster:
+    env = dict(WORKER_ENV)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.rollout.kv_cache_bytes // 2**30))
+
+    def nanny(nthreads: int, resources: dict[str, float]) -> dict:
+        return {"cls": Nanny, "options": {"nthreads": nthreads, "resources": resources, "env": env,
+                                          "memory_limit": cfg.cluster.worker_memory, "silence_logs": 40}}
+
+    slots = cfg.rollout.slots
+    workers = {f"rollout-{i}": nanny(slots, {"GPU": 1, "ROLLOUT": slots}) for i in range(cfg.rollout.instances)}
+    workers["trainer"] = nanny(1, {"GPU": 1, "TRAINER": 1})
+    for i in range(cfg.cluster.cpu_workers):
+        workers[f"cpu-{i}"] = nanny(cfg.cluster.cpu_threads, {"CPU": cfg.cluster.cpu_threads})
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": cfg.cluster.dashboard_address}}
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+
+
+def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
+    """Client on the embedded cluster, or on `cluster.scheduler_address` (clear error if it cannot be reached)."""
+    if not cfg.cluster.scheduler_address:
+        cluster = embedded_cluster(cfg)
+        return cluster, Client(cluster)
+    address = cfg.cluster.scheduler_address
+    try:
+        client = Client(address, timeout=cfg.cluster.connect_timeout_s)
+    except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
+        raise ClusterError(f"cluster.scheduler_address: cannot reach the Dask scheduler at {address} within "
+                           f"{cfg.cluster.connect_timeout_s:.0f} s ({type(exc).__name__}); start it with "
+                           f"`dask scheduler` or leave the address empty for the embedded cluster") from None
+    return None, client
+
+
+def labelled_workers(client: Client) -> Workers:
+    rollout, trainer, cpu = {}, [], []
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        res = info.get("resources", {})
+        if "ROLLOUT" in res and "GPU" in res:
+            rollout[address] = int(res["ROLLOUT"])
+        if "TRAINER" in res and "GPU" in res:
+            trainer.append(address)
+        if "CPU" in res:
+            cpu.append(address)
+    return Workers(rollout, sorted(trainer), sorted(cpu))
+
+
+def wait_for_workers(client: Client, timeout_s: float) -> Workers:
+    """Wait until at least one rollout instance, one trainer and one CPU worker are connected."""
+    deadline = time.time() + timeout_s
+    while True:
+        workers = labelled_workers(client)
+        if workers.rollout and workers.trainer and workers.cpu:
+            return workers
+        if time.time() > deadline:
+            missing = [name for name, ok in (("rollout (GPU=1,ROLLOUT=n)", workers.rollout),
+                                             ("trainer (GPU=1,TRAINER=1)", workers.trainer),
+                                             ("CPU (CPU=n)", workers.cpu)) if not ok]
+            raise ClusterError(f"the cluster has no worker labelled {', '.join(missing)} after {timeout_s:.0f} s; "
+                               "start workers with `dask worker ADDRESS --resources ...` (see README)")
+        time.sleep(0.2)

@@ -1,0 +1,226 @@
+"""The driver's machinery: what the streaming loop in `pipelines.streaming` calls to extend the graph and to take in
+results. The driver is the single writer of the trajectory store and the only owner of the gate and orchestrator.
+
+Submission placement (Dask resource restrictions):
+  rollout   -> the instance the orchestrator chose (``workers=[addr]``), resource ROLLOUT=1 (one slot)
+  reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
+  update, publish -> the trainer, resource TRAINER=1
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from distributed import Client, Future, wait
+
+from dora_tasks import steps
+from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
+from dora_tasks.records import Group, Prompt, PublishedWeights, UpdateResult
+from pipelines.cluster import labelled_workers
+from pipelines.config import Config
+from pipelines.gate import BatchDecision, VersionGate
+from pipelines.metrics import Timeline, UpdateTiming
+from pipelines.orchestrator import Load, Orchestrator, Start
+from storage.trajectory_store import TrajectoryStore
+from storage.weight_store import WeightStore
+
+log = logging.getLogger("dora")
+ROLLOUT, CPU, TRAINER = {"ROLLOUT": 1}, {"CPU": 1}, {"TRAINER": 1}
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked (already holds a run, or holds none to resume)."""
+
+
+def cache_root() -> str:
+    return os.environ.get("DORA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dora"))
+
+
+def initial_policy(cfg: Config) -> str:
+    """The model path given, or a warm-started policy (cached by its settings)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from dora_tasks.warmstart import warm_start, warmstart_settings
+
+    digest = hashlib.sha1(json.dumps(warmstart_settings(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return warm_start(cfg, os.path.join(cache_root(), "warmstart", digest))
+
+
+@dataclass
+class InFlight:
+    group_id: int
+    version: int
+    attempt: int
+    futures: list[Future]  # rollout, reward, advantage
+
+
+@dataclass
+class Driver:
+    cfg: Config
+    client: Client
+    gate: VersionGate
+    orchestrator: Orchestrator
+    store: TrajectoryStore
+    weights: WeightStore
+    model_path: str
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))
+    in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
+    attempts: dict[int, int] = field(default_factory=dict)
+    complete: dict[int, tuple[Future, Group]] = field(default_factory=dict)
+    update_futures: dict[Future, str] = field(default_factory=dict)  # publish/update/eval future -> kind
+    batch: tuple[BatchDecision, float, Future] | None = None  # running decision, ready time, update future
+    accuracy: dict[int, float] = field(default_factory=dict)
+    live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
+
+    # ---- cluster membership --------------------------------------------------------------------------------------
+    def sync_instances(self) -> None:
+        """Follow rollout instances joining and leaving (a killed worker comes back under a new address)."""
+        current = labelled_workers(self.client).rollout
+        for address in list(self.orchestrator.instances):
+            if address not in current:
+                for gid in self.orchestrator.remove_instance(address):
+                    log.warning("instance %s lost; group %d restarts on version %d", address, gid,
+                                self.orchestrator.running.get(gid, (self.in_flight[gid].version,))[0])
+                    self.client.cancel(self.in_flight.pop(gid).futures)
+        for address, slots in current.items():
+            self.orchestrator.add_instance(address, slots)
+
+    # ---- rollout side --------------------------------------------------------------------------------------------
+    def prompt_for(self, group_id: int) -> Prompt:
+        return self.train_prompts[group_id % len(self.train_prompts)]
+
+    def act(self, action: Load | Start) -> None:
+        if isinstance(action, Start):
+            self.submit_group(action)
+
+    def submit_group(self, start: Start) -> None:
+        gid, v = start.group_id, start.version
+        if start.new:
+            self.gate.on_dispatch(gid, v)
+        attempt = self.attempts[gid] = self.attempts.get(gid, -1) + 1
+        prompt = self.prompt_for(gid)
+        self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, time.time())
+        suffix = (attempt,) if attempt else ()
+        r, t = self.cfg.rollout, self.cfg.task
+        seed = self.cfg.dora.seed * 1_000_003 + gid * 31 + attempt
+        rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v), r.group_size, seed,
+                                    attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
+                                    resources=ROLLOUT, pure=False)
+        rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
+                                      key=("reward", v, gid) + suffix, resources=CPU, pure=False)
+        scored = self.client.submit(steps.advantage, rewarded, self.cfg.train.advantage,
+                                    self.cfg.train.filter_degenerate, key=("advantage", v, gid) + suffix,
+                                    resources=CPU, pure=False)
+        self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored])
+
+    def on_group(self, gid: int, future: Future) -> None:
+        group: Group = future.result()
+        del self.in_flight[gid]
+        self.orchestrator.on_group_done(gid)
+        self.gate.on_complete(gid)
+        self.complete[gid] = (future, group)
+
+    # ---- update side ---------------------------------------------------------------------------------------------
+    def submit_update(self, decision: BatchDecision) -> None:
+        u, c = decision.update, self.cfg
+        groups = [self.complete[g][0] for g in decision.group_ids]
+        checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
+                                     c.rollout.partial_rollout, *groups, key=("gate", u), resources=CPU, pure=False)
+        updated = self.client.submit(steps.update, checked, key=("update", u), resources=TRAINER, pure=False)
+        published = self.client.submit(steps.publish, updated, self.weights.root, key=("publish", u + 1),
+                                       resources=TRAINER, pure=False)
+        self.batch = (decision, time.time(), updated)
+        self.update_futures[published] = "publish"
+
+    def on_published(self, future: Future) -> dict[str, float]:
+        decision, ready, updated = self.batch
+        published: PublishedWeights = future.result()
+        result: UpdateResult = updated.result()
+        self.batch = None
+        now = time.time()
+        groups = [self.complete.pop(g)[1] for g in decision.group_ids]
+        self.gate.on_update_done(decision.update)
+        self.orchestrator.on_publish(published.version)
+        self.store.append_consumed(groups, decision.update, now)
+        tokens = sum(g.num_tokens for g in groups)
+        self.timeline.updates.append(UpdateTiming(decision.update, ready, result.start_time, result.end_time, now,
+                                                  tokens, published.seconds))
+        metrics = self.update_metrics(decision, groups, result, published, now)
+        self.store.append_update(decision.update, result.start_time, result.end_time, published.version,
+                                 published.seconds, metrics)
+        self.retain_weights()
+        self.last_metrics = metrics
+        return metrics
+
+    def update_metrics(self, decision: BatchDecision, groups: list[Group], result: UpdateResult,
+                       published: PublishedWeights, now: float) -> dict[str, float]:
+        rewards = np.concatenate([np.nan_to_num(g.rewards, nan=0.0) for g in groups])
+        staleness = np.array([decision.update - g.version for g in groups])
+        prev = self.timeline.updates[-2].published if len(self.timeline.updates) > 1 else self.timeline.t0
+        metrics = dict(result.metrics)
+        metrics.update({
+            "reward_mean": float(rewards.mean()),
+            "train_accuracy": float(np.mean(rewards == 1.0)),
+            "staleness_max": float(staleness.max()), "staleness_mean": float(staleness.mean()),
+            "versions_in_batch": float(len({g.version for g in groups})),
+            "live_versions": float(max((len(v) for _, v in self.live_history[-50:]), default=1)),
+            "step_time_s": now - prev, "weight_sync_s": published.seconds,
+            "tokens": float(sum(g.num_tokens for g in groups)),
+            "reward_failures": float(sum(1 for g in groups for t in g.trajectories if t.reward_error)),
+            "wall_s": now - self.timeline.t0,
+        })
+        metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
+        return metrics
+
+    def retain_weights(self) -> None:
+        """Keep the versions unconsumed groups still need, the newest, and (for resume) the checkpoint's."""
+        keep = set(self.gate.unconsumed.values()) | {self.gate.newest} | self.pinned_versions
+        if self.cfg.storage.keep_versions:
+            keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
+        self.weights.retain(keep)
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    def submit_evaluation(self, version: int) -> None:
+        future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
+                                    self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
+                                    key=("evaluate", version), resources=CPU, pure=False)
+        self.update_futures[future] = f"evaluate:{version}"
+
+    # ---- waiting -------------------------------------------------------------------------------------------------
+    def pending(self) -> list[Future]:
+        return [f.futures[-1] for f in self.in_flight.values()] + list(self.update_futures)
+
+    def wait_any(self, timeout_s: float) -> list[Future]:
+        pending = self.pending()
+        if not pending:
+            time.sleep(timeout_s)
+            return []
+        try:
+            done, _ = wait(pending, timeout=timeout_s, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            return []
+        return list(done)
+
+    def note_live_versions(self) -> None:
+        self.live_history.append((time.time(), tuple(self.orchestrator.live_versions())))
+
+
+def publish_initial(weights: WeightStore, model_path: str) -> None:
+    """Version 0 is the initial policy, copied into the weight store like every later version."""
+    if 0 not in weights.versions():
+        weights.publish(0, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True))
+
+
+def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str) -> None:
+    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root))
+    client.register_plugin(TrainerPlugin(weight_root, cfg.train))

@@ -1,0 +1,108 @@
+"""The run's timing metrics, as defined in the design (pure functions over recorded timestamps).
+
+* throughput: prompt + response tokens consumed by updates / wall seconds, steady state (updates 0 and 1 left out:
+  the window from the publish of update 1 to the last publish);
+* step time: wall time between consecutive publishes, steady state;
+* rollout bubble: share of rollout-instance wall time with no sequence being decoded;
+* trainer bubble: share of trainer wall time with no update running;
+* non-overlapped rollout share: share of wall time the trainer spends waiting for rollout data (from the end of
+  one publish to the moment the gate hands over the next batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WARMUP_UPDATES = 2
+
+
+@dataclass
+class UpdateTiming:
+    update: int
+    ready: float  # the gate handed over the batch
+    start: float  # the update began on the trainer
+    end: float  # the update finished
+    published: float  # the driver saw the new version published
+    tokens: int  # prompt + response tokens of the consumed trajectories
+    publish_seconds: float = 0.0
+
+
+@dataclass
+class Timeline:
+    t0: float
+    updates: list[UpdateTiming] = field(default_factory=list)
+
+    def steady(self) -> list[UpdateTiming]:
+        return self.updates[WARMUP_UPDATES:] if len(self.updates) > WARMUP_UPDATES else []
+
+    def steady_window(self) -> tuple[float, float]:
+        """(start, end) of the steady state: from the publish that closes the warm-up to the last publish."""
+        if len(self.updates) <= WARMUP_UPDATES:
+            start = self.t0
+        else:
+            start = self.updates[WARMUP_UPDATES - 1].published
+        end = self.updates[-1].published if self.updates else self.t0
+        return start, end
+
+
+def throughput(tl: Timeline) -> float:
+    steady = tl.steady()
+    start, end = tl.steady_window()
+    if not steady or end <= start:
+        steady, start = tl.updates, tl.t0
+    wall = max(1e-9, end - start)
+    return sum(u.tokens for u in steady) / wall
+
+
+def step_times(tl: Timeline) -> np.ndarray:
+    pub = np.array([tl.t0] + [u.published for u in tl.updates])
+    return np.diff(pub)
+
+
+def mean_step_time(tl: Timeline) -> float:
+    steps = step_times(tl)
+    steady = steps[WARMUP_UPDATES:] if len(steps) > WARMUP_UPDATES else steps
+    return float(np.mean(steady)) if len(steady) else float("nan")
+
+
+def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+
+def trainer_bubble(tl: Timeline) -> float:
+    start, end = tl.steady_window()
+    if end <= start:
+        return float("nan")
+    busy = _overlap([(u.start, u.end + u.publish_seconds) for u in tl.updates], start, end)
+    return 1.0 - min(1.0, busy / (end - start))
+
+
+def non_overlapped_rollout_share(tl: Timeline) -> float:
+    """Share of wall time during which the trainer waits for rollout data."""
+    start, end = tl.steady_window()
+    if end <= start:
+        return float("nan")
+    prev = [tl.t0] + [u.published for u in tl.updates[:-1]]
+    waits = [(p, u.ready) for p, u in zip(prev, tl.updates) if u.ready > p]
+    return min(1.0, _overlap(waits, start, end) / (end - start))
+
+
+def rollout_bubble(busy: dict[str, list[tuple[float, float]]], start: float, end: float) -> float:
+    """`busy`: per instance, the intervals its engine was generating."""
+    if not busy or end <= start:
+        return float("nan")
+    shares = [_overlap(spans, start, end) / (end - start) for spans in busy.values()]
+    return 1.0 - min(1.0, float(np.mean(shares)))
+
+
+def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    start, end = tl.steady_window()
+    return {
+        "throughput_tokens_per_s": throughput(tl),
+        "step_time_s": mean_step_time(tl),
+        "trainer_bubble": trainer_bubble(tl),
+        "rollout_bubble": rollout_bubble(busy, start, end),
+        "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
+        "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
+    }

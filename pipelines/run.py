@@ -1,0 +1,260 @@
+"""A run's life around the streaming loop: set-up, taking in results, checkpoints, resume and the final report.
+
+`open_run(cfg)` validates everything that can be checked before work starts (config, run folder, model, dataset,
+cluster address and labels), then starts the cluster, the stores and MLflow. `Run.take(future)` routes each finished
+future; `Run.finish()` evaluates, audits the store, draws the plots and returns a `RunSummary`. On any exit the
+trajectory store is flushed and closed, so nothing already produced is lost.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import yaml
+from distributed import Future
+
+from dora_tasks import steps
+from dora_tasks.model import CharTokenizer, load_tokenizer
+from dora_tasks.workloads.datasets import load_prompts
+from pipelines.config import Config, config_from_dict, apply_overrides
+from pipelines.cluster import connect, wait_for_workers
+from pipelines.driver import TRAINER, Driver, RunFolderError, initial_policy, publish_initial, register_plugins
+from pipelines.gate import VersionGate
+from pipelines.live import LiveView
+from pipelines.metrics import summary as timing_summary
+from pipelines.orchestrator import Orchestrator
+from pipelines.tracking import Tracker
+from storage.checkpoint import CheckpointStore
+from storage.trajectory_store import TrajectoryStore
+from storage.weight_store import WeightStore
+
+log = logging.getLogger("dora")
+CONFIG_FILE = "config.yaml"
+
+
+class RunError(RuntimeError):
+    """A task of the run failed; the message names it. The store keeps everything consumed so far."""
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    store: str
+    tracking_uri: str
+    mlflow_run_id: str | None
+    metrics: dict[str, float]
+    accuracy: dict[int, float]
+    audit_ok: bool
+    audit_text: str
+    plots: list[str] = field(default_factory=list)
+
+    def to_text(self) -> str:
+        acc = " ".join(f"v{v}={a:.3f}" for v, a in sorted(self.accuracy.items()))
+        lines = [f"run folder:       {self.run_dir}", f"trajectory store: {self.store}",
+                 f"MLflow:           {self.tracking_uri} (run {self.mlflow_run_id})",
+                 f"held-out accuracy: {acc}"]
+        lines += [f"{k}: {v:.4g}" for k, v in self.metrics.items()]
+        lines += [f"plots: {', '.join(self.plots)}", "audit: " + ("PASS" if self.audit_ok else "FAIL"), self.audit_text]
+        return "\n".join(lines)
+
+
+@dataclass
+class Run:
+    cfg: Config
+    driver: Driver
+    tracker: Tracker
+    live: LiveView
+    checkpoints: CheckpointStore
+    cluster: object
+    workers: object
+
+    # ---- results -------------------------------------------------------------------------------------------------
+    def take(self, future: Future) -> None:
+        d = self.driver
+        if future.status == "error":
+            self._fail(future)
+        kind = d.update_futures.pop(future, None)
+        if kind is None:
+            d.on_group(future.key[2], future)
+        elif kind == "publish":
+            metrics = d.on_published(future)
+            self._after_update(d.gate.next_update - 1, metrics)
+        elif kind.startswith("evaluate:"):
+            version = int(kind.split(":")[1])
+            d.accuracy[version] = float(future.result())
+            self.tracker.log_update(version - 1 if version else 0, {"accuracy": d.accuracy[version],
+                                                                      "accuracy_version": float(version)})
+
+    def _fail(self, future: Future) -> None:
+        exc = future.exception()
+        raise RunError(f"task {future.key} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _after_update(self, update: int, metrics: dict[str, float]) -> None:
+        d, cfg = self.driver, self.cfg
+        version = update + 1
+        self.tracker.log_update(update, metrics)
+        interval = cfg.task.eval_interval
+        if version == cfg.dora.num_updates or (interval and version % interval == 0):
+            d.submit_evaluation(version)
+        if cfg.storage.checkpoint_interval and version % cfg.storage.checkpoint_interval == 0 \
+                and version < cfg.dora.num_updates:
+            self.checkpoint(update)
+
+    def show_progress(self) -> None:
+        d = self.driver
+        self.live.update(d.gate.next_update, d.gate.newest, d.orchestrator.live_versions(), d.orchestrator.in_flight,
+                         d.last_metrics.get("reward_mean", float("nan")), d.last_metrics.get("tokens_per_s", 0.0),
+                         int(d.last_metrics.get("staleness_max", 0)))
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def checkpoint(self, update: int) -> None:
+        d = self.driver
+        d.store.flush()
+        d.pinned_versions = set(d.gate.unconsumed.values()) | {d.gate.newest}
+        state = {"gate": d.gate.to_state(), "orchestrator": d.orchestrator.to_state(), "attempts": d.attempts,
+                 "store_rows": d.store.row_counts(), "accuracy": d.accuracy, "version": d.gate.newest}
+
+        def save_trainer(folder: str) -> None:
+            d.client.submit(steps.save_trainer_checkpoint, folder, key=("checkpoint", update), resources=TRAINER,
+                            pure=False).result()
+
+        self.checkpoints.save(update, state, {"trainer": save_trainer})
+        d.retain_weights()
+
+    # ---- the end -------------------------------------------------------------------------------------------------
+    def finish(self) -> RunSummary:
+        d, cfg = self.driver, self.cfg
+        while d.update_futures:  # the final evaluation
+            for future in d.wait_any(1.0):
+                self.take(future)
+        busy = d.client.run(_busy_spans)
+        metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None})
+        metrics["live_versions_max"] = float(max((len(v) for _, v in d.live_history), default=0))
+        d.store.close()
+        from storage.audit import audit_store
+
+        report = audit_store(cfg.storage.resolved("trajectory_store"), cfg.dora.max_staleness)
+        plots = self._plots()
+        self.tracker.log_update(cfg.dora.num_updates, metrics)
+        self.tracker.log_text("audit.txt", report.to_text())
+        for path in plots + [os.path.join(cfg.storage.run_dir, CONFIG_FILE)]:
+            self.tracker.log_artifact(path)
+        return RunSummary(cfg.storage.run_dir, cfg.storage.resolved("trajectory_store"), self.tracker.tracking_uri,
+                          self.tracker.run_id, metrics, dict(d.accuracy), report.ok, report.to_text(), plots)
+
+    def _plots(self) -> list[str]:
+        if not self.cfg.tracking.plots:
+            return []
+        from pipelines.plots import make_plots
+
+        store = TrajectoryStore.open(self.cfg.storage.resolved("trajectory_store"))
+        tables = {name: store.read_table(name) for name in ("dispatch", "trajectories", "updates")}
+        return make_plots(tables, os.path.join(self.cfg.storage.run_dir, "plots"), self.cfg.dora.max_staleness)
+
+
+def _busy_spans(dask_worker):
+    plugin = dask_worker.plugins.get("dora-rollout")
+    server = getattr(plugin, "server", None)
+    return None if server is None else list(server.busy.spans)
+
+
+# ---- opening a run -----------------------------------------------------------------------------------------------
+def _resolve_for_resume(run_dir: str, overrides: list[str]) -> Config:
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise RunFolderError(f"{run_dir!r} holds no run to resume (no {CONFIG_FILE}); start one with `dora run`")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def _store_meta(cfg: Config) -> dict:
+    d = cfg.dora
+    return {"group_size": cfg.rollout.group_size, "max_staleness": d.max_staleness, "train_batch_size":
+            d.train_batch_size, "num_updates": d.num_updates, "partial_rollout": cfg.rollout.partial_rollout,
+            "config": json.dumps(cfg.to_dict())}
+
+
+def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:
+    run_dir, store_path = cfg.storage.run_dir, cfg.storage.resolved("trajectory_store")
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    d = cfg.dora
+    gate = VersionGate(d.max_staleness, d.train_batch_size)
+    orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size)
+    return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg))
+
+
+def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
+    ckpt = checkpoints.load_latest()
+    state = ckpt.state
+    gate = VersionGate.from_state(state["gate"])
+    gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
+    d = cfg.dora
+    orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,
+                        next_group_id=state["orchestrator"]["next_group_id"])
+    for gid, version in sorted(gate.unconsumed.items()):
+        orch.requeue(gid, version)
+    store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")
+    store.truncate_to(state["store_rows"])
+    return gate, orch, store, ckpt
+
+
+@contextlib.contextmanager
+def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | None = None):
+    """Check everything cheap first (config, run folder, dataset, cluster), then start the work."""
+    if resume_dir:
+        cfg = _resolve_for_resume(resume_dir, overrides or [])
+        cfg.storage.run_dir = resume_dir
+    checkpoints = CheckpointStore(os.path.join(cfg.storage.run_dir, "checkpoints"))
+    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
+    train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
+    if resume_dir:
+        checkpoints.load_latest()
+    elif os.path.exists(cfg.storage.resolved("trajectory_store")):
+        raise RunFolderError(f"storage.run_dir {cfg.storage.run_dir!r} already holds a run; resume it with "
+                             f"`dora resume {cfg.storage.run_dir}` or choose another storage.run_dir")
+    stack = contextlib.ExitStack()
+    with stack:
+        cluster, client = connect(cfg)
+        if cluster is not None:
+            stack.callback(cluster.close)
+        stack.callback(client.close)
+        workers = wait_for_workers(client, max(30.0, cfg.cluster.connect_timeout_s))
+        model_path = initial_policy(cfg)
+        weights = WeightStore(cfg.storage.resolved("weight_store"))
+        if resume_dir:
+            gate, orch, store, ckpt = _resumed_state(cfg, checkpoints)
+        else:
+            gate, orch, store = _fresh_state(cfg)
+            ckpt = None
+        stack.callback(store.close)
+        publish_initial(weights, model_path)
+        register_plugins(client, cfg, weights.root, model_path)
+        print(f"dora: Dask dashboard {client.dashboard_link}", flush=True)
+        tracker = stack.enter_context(Tracker(cfg, resume=bool(resume_dir)))
+        live = LiveView(cfg.tracking.live_view)
+        stack.callback(live.close)
+        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts)
+        run = Run(cfg, driver, tracker, live, checkpoints, cluster, workers)
+        if ckpt is not None:
+            _restore(run, ckpt)
+        else:
+            driver.submit_evaluation(0)
+        yield run
+
+
+def _restore(run: Run, ckpt) -> None:
+    d = run.driver
+    d.attempts = {int(g): a for g, a in ckpt.state["attempts"].items()}
+    d.accuracy = {int(v): a for v, a in ckpt.state["accuracy"].items()}
+    d.pinned_versions = set(d.gate.unconsumed.values()) | {d.gate.newest}
+    d.retain_weights()  # drops versions published after the checkpoint; they will be published again
+    d.client.submit(steps.load_trainer_checkpoint, ckpt.file("trainer"), d.gate.newest, key=("restore", ckpt.update),
+                    resources=TRAINER, pure=False).result()
+    log.info("resumed from %s at version %d with %d groups to roll out again", ckpt.path, d.gate.newest,
+             len(d.gate.unconsumed))

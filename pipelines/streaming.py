@@ -1,0 +1,50 @@
+"""Multi-version streaming rollout as a growing Dask graph: the whole dataflow on one screen.
+
+    prompts ──► rollout(v)* ──► reward* ──► advantage(group) ──► gate(u) ──► update(u) ──► publish(u+1)
+                  ROLLOUT          CPU          CPU                 CPU        TRAINER        TRAINER
+
+The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
+version and move idle instances, (2) asks the version gate whether update `u` may start, submitting
+gate -> update -> publish if so, and (3) waits for whichever future finishes first. Groups of several versions are in
+flight at once; finished groups stream into the next batch; the gate keeps every batch within K versions.
+"""
+from __future__ import annotations
+
+from pipelines.driver import Driver
+from pipelines.orchestrator import Start
+from pipelines.run import Run, open_run
+
+TICK_S = 0.5
+
+
+def stream(d: Driver, run: Run, on_turn=None) -> None:
+    """Drive the run to `dora.num_updates`; `on_turn(driver)` is called once a turn (tests inject faults there)."""
+    while d.gate.next_update < d.cfg.dora.num_updates:
+        d.sync_instances()
+        for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
+            if isinstance(action, Start):
+                d.submit_group(action)  # rollout(v) -> reward -> advantage
+        if d.batch is None and (decision := d.gate.decide()) is not None:
+            d.submit_update(decision)  # gate(u) -> update(u) -> publish(u+1)
+        d.note_live_versions()
+        for future in d.wait_any(TICK_S):  # whichever finishes first
+            run.take(future)
+        run.show_progress()
+        if on_turn is not None:
+            on_turn(d)
+
+
+def run_pipeline(cfg) -> "RunSummary":  # noqa: F821
+    """Run a job from scratch; returns its summary (paths, metrics, audit)."""
+    with open_run(cfg) as run:
+        stream(run.driver, run)
+        return run.finish()
+
+
+def resume_pipeline(run_dir: str, overrides: list[str] | None = None) -> "RunSummary":  # noqa: F821
+    """Continue a run from its last checkpoint (the driver was killed, or its trainer died)."""
+    with open_run(None, resume_dir=run_dir, overrides=overrides or []) as run:
+        stream(run.driver, run)
+        return run.finish()
+
+

@@ -1,0 +1,341 @@
+"""Advantage estimators and policy losses against slow loop references, the registry, and batch_tensors."""
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dora_tasks.algorithms import (LossNorm, UnknownAlgorithmError, advantage_names, get_advantage, get_loss,
+                                   group_is_degenerate, loss_names, overlong_shaping, register_advantage)
+from dora_tasks.algorithms import registry
+from dora_tasks.algorithms.objective import batch_tensors, micro_batches
+from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
+from pipelines.config import ConfigError, TrainConfig
+
+torch.set_num_threads(1)
+SETTINGS = settings(max_examples=60, deadline=None)
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "dapo"]
+LOSSES = ["ppo_clip", "decoupled_ppo", "tis"]
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+# ---------------------------------------------------------------- slow references (plain loops, float64)
+
+def ref_group_baselines(rewards: list[float], groups: list[int]) -> list[tuple[float, float, int, float]]:
+    """(mean, unbiased std, size, sum) of each trajectory's group; singleton groups: mean 0, std 1 (verl)."""
+    out = []
+    for i in range(len(rewards)):
+        members = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+        n = len(members)
+        if n == 1:
+            out.append((0.0, 1.0, 1, members[0]))
+            continue
+        mean = sum(members) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in members) / (n - 1))
+        out.append((mean, std, n, sum(members)))
+    return out
+
+
+def ref_advantages(name: str, rewards, groups, mask) -> np.ndarray:
+    rewards, groups, mask = list(map(float, rewards)), list(map(int, groups)), np.asarray(mask, dtype=np.float64)
+    stats = ref_group_baselines(rewards, groups)
+    scores = []
+    for r, (mean, std, n, total) in zip(rewards, stats):
+        if name in ("grpo", "dapo"):
+            scores.append((r - mean) / (std + 1e-6))
+        elif name in ("dr_grpo", "reinforce_pp_baseline"):
+            scores.append(r - mean)
+        elif name == "rloo":
+            scores.append(r - (total - r) / (n - 1) if n > 1 else r)
+    out = np.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            out[i, t] = scores[i] * mask[i, t]
+    if name == "reinforce_pp_baseline":
+        values = [out[i, t] for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+        if len(values) >= 2:
+            m = sum(values) / len(values)
+            var = sum((v - m) ** 2 for v in values) / (len(values) - 1)
+            for i in range(mask.shape[0]):
+                for t in range(mask.shape[1]):
+                    out[i, t] = (out[i, t] - m) / math.sqrt(var + 1e-8) if mask[i, t] else 0.0
+    return out
+
+
+def ref_aggregate(per_token: list[list], mask, mode: str, norm_len: int):
+    """Loop version of the three aggregations over a list of lists of (torch scalar) per-token losses."""
+    rows = len(per_token)
+    lengths = [sum(int(m) for m in mask[i]) for i in range(rows)]
+    if mode == "token_mean":
+        total = sum(per_token[i][t] for i in range(rows) for t in range(len(mask[i])) if mask[i][t])
+        return total / max(sum(lengths), 1)
+    if mode == "seq_mean_token_mean":
+        return sum(sum(per_token[i][t] for t in range(len(mask[i])) if mask[i][t]) / max(lengths[i], 1)
+                   for i in range(rows)) / rows
+    divisor = max(norm_len or max(lengths), 1)
+    return sum(sum(per_token[i][t] for t in range(len(mask[i])) if mask[i][t]) / divisor for i in range(rows)) / rows
+
+
+def ref_loss(name: str, logp: torch.Tensor, behaviour, advantages, mask, cfg, proximal=None):
+    """Per-token loop: (loss value, a loss whose gradient wrt logp is the expected one, clip_fraction, approx_kl)."""
+    rows, cols = logp.shape
+    values, grads_src, clipped, kl3 = [], [], [], []
+    for i in range(rows):
+        values.append([]), grads_src.append([])
+        for t in range(cols):
+            lp, b, a = logp[i, t], float(behaviour[i, t]), float(advantages[i, t])
+            r_behaviour = math.exp(float(lp.detach()) - b)
+            if mask[i][t]:
+                kl3.append(r_behaviour - 1 - math.log(r_behaviour))
+            if name == "tis":
+                w = min(r_behaviour, cfg.importance_cap)
+                values[i].append(torch.tensor(-w * a, dtype=torch.float64))
+                grads_src[i].append(-w * a * lp)
+                if mask[i][t]:
+                    clipped.append(float(r_behaviour > cfg.importance_cap))
+                continue
+            anchor = b if name == "ppo_clip" else (float(lp.detach()) if proximal is None else float(proximal[i, t]))
+            weight = 1.0 if name == "ppo_clip" else min(math.exp(anchor - b), cfg.importance_cap)
+            r = torch.exp(lp - anchor)
+            r_clipped = torch.clamp(r, 1 - cfg.clip_low, 1 + cfg.clip_high)
+            plain, capped = -a * r, -a * r_clipped
+            use_clipped = float(capped.detach()) > float(plain.detach())
+            loss_t = weight * (capped if use_clipped else plain)
+            values[i].append(loss_t)
+            grads_src[i].append(loss_t)
+            if mask[i][t]:
+                clipped.append(float(use_clipped))
+    value = ref_aggregate(values, mask, cfg.loss_agg, cfg.loss_norm_len)
+    grad_loss = ref_aggregate(grads_src, mask, cfg.loss_agg, cfg.loss_norm_len)
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return float(torch.as_tensor(value).detach()), grad_loss, mean(clipped), mean(kl3)
+
+
+# ---------------------------------------------------------------- strategies
+
+@st.composite
+def grouped_batches(draw):
+    rows = draw(st.integers(1, 10))
+    cols = draw(st.integers(1, 6))
+    groups = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
+    rewards = draw(st.lists(st.sampled_from([0.0, 1.0, 0.5, -1.0, 2.5, 0.25]), min_size=rows, max_size=rows))
+    mask = draw(st.lists(st.lists(st.integers(0, 1), min_size=cols, max_size=cols), min_size=rows, max_size=rows))
+    return rewards, groups, mask
+
+
+@st.composite
+def loss_inputs(draw):
+    rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**16))
+    mask = draw(st.lists(st.lists(st.integers(0, 1), min_size=cols, max_size=cols), min_size=rows, max_size=rows))
+    cfg = TrainConfig(clip_low=draw(st.sampled_from([0.1, 0.2])), clip_high=draw(st.sampled_from([0.2, 0.28, 0.5])),
+                      loss_agg=draw(st.sampled_from(AGGS)), loss_norm_len=draw(st.sampled_from([0, 7])),
+                      importance_cap=draw(st.sampled_from([1.0, 1.5, 3.0])))
+    with_proximal = draw(st.booleans())
+    return seed, rows, cols, mask, cfg, with_proximal
+
+
+# ---------------------------------------------------------------- estimators
+
+@SETTINGS
+@given(grouped_batches(), st.sampled_from(ESTIMATORS))
+def test_estimators_match_loop_reference(data, name):
+    rewards, groups, mask = data
+    got = get_advantage(name)(torch.tensor(rewards), torch.tensor(groups, dtype=torch.long), torch.tensor(mask))
+    assert got.shape == (len(rewards), len(mask[0])) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), ref_advantages(name, rewards, groups, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_estimators_zero_outside_response_and_group_ids_arbitrary():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 3.0])
+    groups = torch.tensor([1007, 1007, -5, -5])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [1, 1, 1]])
+    for name in ESTIMATORS:
+        got = get_advantage(name)(rewards, groups, mask)
+        assert torch.all(got[mask == 0] == 0), name
+    grpo = get_advantage("grpo")(rewards, groups, mask)
+    assert grpo[0, 0] > 0 > grpo[1, 0] and grpo[3, 0] > 0 > grpo[2, 1]
+
+
+def test_group_is_degenerate():
+    assert group_is_degenerate([1.0, 1.0, 1.0])
+    assert group_is_degenerate(np.zeros(4))
+    assert group_is_degenerate(torch.tensor([0.5]))
+    assert not group_is_degenerate([1.0, 0.0])
+    assert not group_is_degenerate([1.0, float("nan")])
+
+
+def test_overlong_shaping_matches_dapo_formula():
+    max_len, cache = 10, 4
+    lengths = list(range(13))
+    expected = [0.0 if n <= 6 else ((6 - n) / cache if n <= 10 else -1.0) for n in lengths]
+    np.testing.assert_allclose(overlong_shaping(np.array(lengths), max_len, cache), expected, atol=1e-6)
+    as_tensor = overlong_shaping(torch.tensor(lengths), max_len, cache)
+    assert isinstance(as_tensor, torch.Tensor)
+    np.testing.assert_allclose(as_tensor.numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(overlong_shaping([9, 10, 11], 10, 0), [0.0, 0.0, -1.0])
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_shaping([1], 10, 11)
+
+
+# ---------------------------------------------------------------- losses
+
+@SETTINGS
+@given(loss_inputs(), st.sampled_from(LOSSES))
+def test_losses_match_loop_reference(inputs, name):
+    seed, rows, cols, mask, cfg, with_proximal = inputs
+    gen = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 3
+    logp_init = behaviour + torch.randn(rows, cols, generator=gen, dtype=torch.float64) * 0.4
+    proximal = (behaviour + torch.randn(rows, cols, generator=gen, dtype=torch.float64) * 0.3
+                if with_proximal and name == "decoupled_ppo" else None)
+    advantages = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    mask_t = torch.tensor(mask, dtype=torch.float64)
+
+    logp = logp_init.clone().requires_grad_(True)
+    loss, metrics = get_loss(name)(logp, behaviour, advantages, mask_t, cfg, proximal)
+    loss.backward()
+
+    ref_logp = logp_init.clone().requires_grad_(True)
+    ref_value, ref_grad_loss, ref_clip, ref_kl = ref_loss(name, ref_logp, behaviour, advantages, mask, cfg, proximal)
+    if isinstance(ref_grad_loss, torch.Tensor) and ref_grad_loss.requires_grad:
+        ref_grad_loss.backward()
+    ref_grad = ref_logp.grad if ref_logp.grad is not None else torch.zeros_like(ref_logp)
+
+    assert loss.dim() == 0
+    assert float(loss.detach()) == pytest.approx(ref_value, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(logp.grad, ref_grad, rtol=1e-6, atol=1e-9)
+    assert metrics["clip_fraction"] == pytest.approx(ref_clip, abs=1e-9)
+    assert metrics["approx_kl"] == pytest.approx(ref_kl, rel=1e-6, abs=1e-9)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+@SETTINGS
+@given(loss_inputs(), st.sampled_from(LOSSES), st.integers(1, 3))
+def test_micro_batch_losses_sum_to_full_batch_loss(inputs, name, size):
+    seed, rows, cols, mask, cfg, _ = inputs
+    gen = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(rows, cols, generator=gen) * 3
+    logp = behaviour + torch.randn(rows, cols, generator=gen) * 0.4
+    advantages = torch.randn(rows, cols, generator=gen)
+    mask_t = torch.tensor(mask, dtype=torch.float32)
+    full, _ = get_loss(name)(logp, behaviour, advantages, mask_t, cfg)
+    norm = LossNorm.of(mask_t, cfg)
+    parts = [get_loss(name)(logp[s:s + size], behaviour[s:s + size], advantages[s:s + size], mask_t[s:s + size],
+                            cfg, norm=norm)[0] for s in range(0, rows, size)]
+    assert float(sum(parts)) == pytest.approx(float(full), rel=1e-5, abs=1e-6)
+
+
+def test_losses_report_ratio_and_entropy_metrics():
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.1]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.2, 0.3]]))
+    entropy = torch.tensor([[1.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    for name in LOSSES:
+        loss, metrics = get_loss(name)(logp, behaviour, torch.ones(1, 3), mask, TrainConfig(), entropy=entropy)
+        assert metrics["ratio_max"] == pytest.approx(2.0)
+        assert metrics["ratio_mean"] == pytest.approx(1.5)
+        assert metrics["entropy"] == pytest.approx(1.5)
+        assert torch.isfinite(loss)
+
+
+def test_clip_higher_is_asymmetric():
+    behaviour = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.25, 0.75]]))  # ratios 1.25 and 0.75
+    mask = torch.ones(1, 2)
+    symmetric = TrainConfig(clip_low=0.2, clip_high=0.2)
+    higher = TrainConfig(clip_low=0.2, clip_high=0.3)
+    pos = torch.ones(1, 2)
+    assert get_loss("ppo_clip")(logp, behaviour, pos, mask, symmetric)[1]["clip_fraction"] == pytest.approx(0.5)
+    assert get_loss("ppo_clip")(logp, behaviour, pos, mask, higher)[1]["clip_fraction"] == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------- registry and config
+
+def test_registry_lists_valid_names_on_unknown():
+    assert set(ESTIMATORS) <= set(advantage_names())
+    assert set(LOSSES) <= set(loss_names())
+    with pytest.raises(UnknownAlgorithmError) as err:
+        get_advantage("gae")
+    assert isinstance(err.value, KeyError) and isinstance(err.value, ValueError)
+    assert all(name in str(err.value) for name in ESTIMATORS) and "'gae'" in str(err.value)
+    with pytest.raises(ValueError, match="ppo_clip.*tis|tis.*ppo_clip"):
+        get_loss("sft")
+
+
+def test_register_custom_and_duplicate_names():
+    @register_advantage("test_only_constant")
+    def constant(rewards, group_index, response_mask):
+        return torch.ones_like(response_mask, dtype=torch.float32)
+
+    try:
+        assert get_advantage("test_only_constant") is constant
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage("grpo")(constant)
+    finally:
+        registry._ADVANTAGES.pop("test_only_constant")
+
+
+def test_train_config_validates_new_fields():
+    TrainConfig().validate()
+    with pytest.raises(ConfigError, match="train.loss_agg"):
+        TrainConfig(loss_agg="sum").validate()
+    with pytest.raises(ConfigError, match="train.importance_cap"):
+        TrainConfig(importance_cap=0.5).validate()
+    with pytest.raises(ConfigError, match="train.loss_norm_len"):
+        TrainConfig(loss_norm_len=-1).validate()
+
+
+# ---------------------------------------------------------------- batch_tensors
+
+def _traj(group: int, idx: int, prompt, response, reward, advantage=float("nan")) -> Trajectory:
+    n = len(response)
+    return Trajectory(group_id=group, sample_idx=idx, prompt_ids=np.array(prompt, np.int32),
+                      response_ids=np.array(response, np.int32), versions=np.zeros(n, np.int32),
+                      behaviour_logprobs=-np.arange(1, n + 1, dtype=np.float32), finished=True, reward=reward,
+                      advantage=advantage)
+
+
+def _batch(groups_spec) -> TrainBatch:
+    groups = [Group(group_id=g, prompt=Prompt(g, "", ""), version=0, trajectories=trajs, filtered=filtered)
+              for g, trajs, filtered in groups_spec]
+    return TrainBatch(update=1, groups=groups, max_staleness=1)
+
+
+def test_batch_tensors_layout_and_alignment():
+    batch = _batch([(3, [_traj(3, 0, [5, 6], [7, 8, 9], 1.0, 0.5), _traj(3, 1, [5, 6], [10], 0.0, -0.5)], ""),
+                    (4, [_traj(4, 0, [1, 2, 3, 4], [11, 12], 1.0)], "dapo_zero_var")])
+    t = batch_tensors(batch, pad_id=63)
+    assert t["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 63, 63]]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert t["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert t["behaviour_logp"].tolist() == [[0, 0, -1, -2, -3], [0, 0, -1, 0, 0]]
+    assert t["advantages"].tolist() == [[0, 0, 0.5, 0.5, 0.5], [0, 0, -0.5, 0, 0]]
+    assert t["group_index"].tolist() == [3, 3] and t["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_batch_tensors_estimates_missing_advantages_with_the_named_estimator():
+    batch = _batch([(0, [_traj(0, 0, [1], [2, 3], 1.0), _traj(0, 1, [1], [4], 0.0)], ""),
+                    (1, [_traj(1, 0, [1], [2], 2.0, advantage=7.0)], "")])
+    t = batch_tensors(batch, advantage="dr_grpo")
+    assert t["advantages"].tolist() == [[0, 0.5, 0.5], [0, -0.5, 0], [0, 7.0, 0]]
+
+
+def test_batch_tensors_rejects_empty_prompt_and_handles_empty_batch():
+    with pytest.raises(ValueError, match="empty prompt"):
+        batch_tensors(_batch([(0, [_traj(0, 0, [], [2], 1.0)], "")]))
+    t = batch_tensors(_batch([(0, [_traj(0, 0, [1], [2], 1.0)], "filtered")]))
+    assert t["input_ids"].shape == (0, 0) and t["response_mask"].sum() == 0
+
+
+def test_micro_batches_trim_padding():
+    batch = _batch([(0, [_traj(0, 0, [1], [2, 3, 4, 5], 1.0), _traj(0, 1, [1], [2], 0.0)], "")])
+    chunks = micro_batches(batch_tensors(batch), 1)
+    assert [c["input_ids"].shape for c in chunks] == [(1, 5), (1, 2)]

@@ -1,0 +1,185 @@
+"""MLflow tracking against a REAL `mlflow server` (sqlite backend) and a local sqlite store; failures never raise."""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import plots
+from pipelines.config import load_config
+from pipelines.tracking import NullTracker, Tracker, TrackingWarning, finite_metrics, resolve_tracking_uri
+from synthetic_run import synthetic_tables
+
+SERVER_READY_TIMEOUT_S = 180
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")  # inside MLflow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"mlflow server not ready after {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """TERM the server's own process group (it was started in a new session), then KILL if it lingers."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    exe = Path(sys.executable).with_name("mlflow")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlflow"]
+    cmd += ["server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+            "--default-artifact-root", (root / "artifacts").as_uri(),
+            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(root / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, SERVER_READY_TIMEOUT_S)
+        yield url
+    finally:
+        stop(proc)
+
+
+def make_cfg(tmp_path, *overrides: str):
+    return load_config(None, [f"storage.run_dir={tmp_path / 'run'}", "dora.max_staleness=2", *overrides])
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory) -> list[str]:
+    """Two small real plots to log as artifacts (drawn once for the module)."""
+    out = tmp_path_factory.mktemp("pngs")
+    updates = synthetic_tables(num_updates=4)["updates"]
+    view = {"update": updates["update"], "end_time": updates["end"] - updates["start"][0],
+            "reward_mean": updates["reward_mean"], "accuracy": updates["accuracy"]}
+    return [plots.plot_learning(view, str(out / "learning.png")),
+            plots.plot_staleness(np.array([0, 1, 1, 2]), 2, str(out / "staleness.png"))]
+
+
+def log_a_run(tracker, pngs: list[str], updates: int = 4) -> None:
+    for u in range(updates):
+        tracker.log_update(u, {"reward_mean": 0.1 * u, "loss": 1.0 / (u + 1), "kl": float("nan"),
+                               "staleness_max": np.int64(u % 3), "note": "not a number"})
+    for png in pngs:
+        tracker.log_artifact(png, "plots")
+    tracker.log_text("config.yaml", "dora:\n  max_staleness: 2\n")
+
+
+def check_run(uri: str, run_id: str, cfg, updates: int = 4) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {k: str(v) for k, v in cfg.flat().items()}
+    for key in ("reward_mean", "loss", "staleness_max"):
+        history = client.get_metric_history(run_id, key)
+        assert sorted(m.step for m in history) == list(range(updates)), key
+    assert client.get_metric_history(run_id, "kl") == [] and "note" not in run.data.metrics
+    assert run.data.tags["dora.max_staleness"] == "2"
+    assert run.data.tags["dora.algorithm"] == f"{cfg.train.advantage}/{cfg.train.loss}"
+    assert {"dora.rollout_engine", "dora.train_engine", "dora.code_version"} <= set(run.data.tags)
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert top == {"config.yaml", "plots"}
+    assert {a.path for a in client.list_artifacts(run_id, "plots")} == {"plots/learning.png", "plots/staleness.png"}
+
+
+@pytest.mark.slow
+def test_tracker_against_a_real_mlflow_server(mlflow_server, pngs, tmp_path):
+    cfg = make_cfg(tmp_path, f"tracking.mlflow_uri={mlflow_server}", "tracking.run_name=server-test")
+    with Tracker(cfg) as tracker:
+        assert tracker.run_id and tracker.tracking_uri == mlflow_server
+        log_a_run(tracker, pngs)
+    assert tracker.failures == 0
+    check_run(mlflow_server, tracker.run_id, cfg)
+    assert tracker.ui_command().startswith(f"open {mlflow_server}/#/experiments/")
+
+
+def test_tracker_with_the_default_local_sqlite_store(pngs, tmp_path):
+    cfg = make_cfg(tmp_path)
+    run_dir = (tmp_path / "run").resolve()
+    assert resolve_tracking_uri(cfg) == f"sqlite:///{run_dir}/mlflow.db"
+    with pytest.warns(TrackingWarning, match="does-not-exist.png"):  # a failing call warns, the run goes on
+        with Tracker(cfg) as tracker:
+            tracker.log_artifact(str(tmp_path / "does-not-exist.png"))
+            log_a_run(tracker, pngs)
+    assert tracker.failures == 1
+    check_run(tracker.tracking_uri, tracker.run_id, cfg)
+    assert (run_dir / "mlflow.db").is_file()
+    assert list((run_dir / "mlartifacts").rglob("learning.png")), "artifacts must live under the run folder"
+    assert "mlflow ui --backend-store-uri" in tracker.ui_command() and str(run_dir) in tracker.ui_command()
+
+    resumed = make_cfg(tmp_path, "dora.num_updates=20")  # resume continues the same run, params stay immutable
+    with Tracker(resumed, resume=True) as again:
+        again.log_update(4, {"reward_mean": 0.4})
+    assert again.run_id == tracker.run_id and again.failures == 0
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(tracker.run_id)
+    assert run.data.tags["resume_override.dora.num_updates"] == "20"
+    assert run.data.params["dora.num_updates"] == str(cfg.dora.num_updates)
+
+
+def test_unreachable_server_warns_and_the_run_goes_on(tmp_path):
+    cfg = make_cfg(tmp_path, f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}")
+    with pytest.warns(TrackingWarning, match="no MLflow server"):
+        tracker = Tracker(cfg).start()
+    assert tracker.run_id is None and tracker.ui_command() == ""
+    tracker.log_update(0, {"reward_mean": 1.0})
+    tracker.log_artifact(str(tmp_path / "missing.png"))
+    tracker.close()
+
+
+def test_finite_metrics_keeps_only_finite_numbers():
+    assert finite_metrics({"a": 1, "b": 2.5, "c": float("nan"), "d": float("inf"), "e": None, "f": "x",
+                           "g": True, "h": np.float32(0.25)}) == {"a": 1.0, "b": 2.5, "g": 1.0, "h": 0.25}
+
+
+def test_null_tracker_has_the_same_interface():
+    public = {name for name, _ in inspect.getmembers(Tracker) if not name.startswith("_")}
+    assert public <= set(dir(NullTracker)), public - set(dir(NullTracker))
+    for name in public:
+        member = getattr(Tracker, name)
+        if callable(member):
+            assert inspect.signature(member).parameters.keys() == \
+                inspect.signature(getattr(NullTracker, name)).parameters.keys() or name == "__init__", name
+    with NullTracker(None) as tracker:
+        tracker.log_update(0, {"x": 1.0})
+        assert tracker.run_id is None and tracker.ui_command() == ""
