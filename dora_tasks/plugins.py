@@ -69,6 +69,7 @@ class TrainerPlugin(WorkerPlugin):
 
     weight_store: str
     train: TrainConfig
+    temperature: float = 1.0  # rollout sampling temperature: behaviour log-probs are taken after it
     name: str = TRAINER_PLUGIN
 
     def setup(self, worker) -> None:
@@ -82,7 +83,7 @@ class TrainerPlugin(WorkerPlugin):
             from storage.weight_store import WeightStore
 
             path = WeightStore(self.weight_store).path_for(version)
-            self.engine = make_train_engine(path, self.train, version=version)
+            self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature)
         return self.engine
 
 

@@ -138,6 +138,21 @@ def load_trainer_checkpoint(folder: str, version: int) -> int:
     return engine.version
 
 
+# ---- warm-up: engines are created before the clock starts -----------------------------------------------------
+def warm_up_rollout(version: int, weights_path: str, prompt_ids: list[int]) -> int:
+    """Create this instance's engine, load `version` and generate once (first calls are slow)."""
+    from dora_tasks.plugins import rollout_server
+
+    rollout_server().generate(version, weights_path, prompt_ids, 1, 0)
+    return version
+
+
+def warm_up_trainer(version: int) -> int:
+    from dora_tasks.plugins import trainer_plugin
+
+    return trainer_plugin().get_engine(version).version
+
+
 # ---- held-out evaluation (CPU worker) ----------------------------------------------------------------------------
 def evaluate(weights_path: str, prompts: list[Prompt], model_path: str, reward_fn: str, max_new_tokens: int,
              seed: int) -> float:

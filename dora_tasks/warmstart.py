@@ -26,8 +26,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from dora_tasks.contracts import RolloutEngine
+from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_policy
 from dora_tasks.records import Prompt
+from dora_tasks.workloads import countdown
 from dora_tasks.workloads.datasets import load_prompts
 from pipelines.config import Config, RolloutConfig
 
@@ -35,12 +38,15 @@ SETTINGS_FILE = "warmstart.json"
 CHUNK_TOKENS = 2048  # padded tokens per forward pass inside a step
 WARMUP_FRACTION = 0.05
 
+RewardFn = Callable[[str, str, str], float]
+
 
 def warm_start(cfg: Config, out_dir: str) -> str:
     """Build, fine-tune and save the initial policy into `out_dir` (or reuse a finished one); returns `out_dir`."""
     settings = warmstart_settings(cfg)
     if cached(out_dir, settings):
         return out_dir
+    forget_settings(out_dir)  # a crash before the new record is written must not leave an old record behind
     tokenizer = CharTokenizer()
     train, _ = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.dora.seed)
@@ -73,6 +79,13 @@ def cached(out_dir: str, settings: dict) -> bool:
             return json.load(f).get("settings") == settings
     except (OSError, ValueError):
         return False
+
+
+def forget_settings(out_dir: str) -> None:
+    try:
+        os.remove(os.path.join(out_dir, SETTINGS_FILE))
+    except FileNotFoundError:
+        pass
 
 
 def examples(prompts: Sequence[Prompt], tokenizer: CharTokenizer) -> list[tuple[list[int], int]]:
@@ -154,29 +167,33 @@ def pad_right(chunk: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, tor
     return input_ids, labels
 
 
-def evaluate(policy, prompts: Sequence[Prompt], reward_fn: Callable[[str, str, str], float] | None = None, *,
-             greedy: bool = False, seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
+def evaluate(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = None, *, greedy: bool = False,
+             seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
              tokenizer: CharTokenizer | None = None) -> float:
-    """Held-out accuracy: the share of prompts whose one response gets reward 1.
+    """Held-out accuracy: the share of prompts whose one response gets reward 1 (arguments as `rewards_of`)."""
+    rewards = rewards_of(policy, prompts, reward_fn, greedy=greedy, seed=seed, max_new_tokens=max_new_tokens,
+                         temperature=temperature, tokenizer=tokenizer)
+    return float(np.mean(rewards == 1.0)) if len(rewards) else float("nan")
 
-    `policy` is a model folder, an in-memory model, or a `RolloutEngine`; sampling at `temperature` (the rollout
-    setting) or greedy. `reward_fn` defaults to the countdown reward; `tokenizer` defaults to the folder's (or the
-    built-in character tokenizer).
+
+def rewards_of(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = None, *, greedy: bool = False,
+               seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
+               tokenizer: CharTokenizer | None = None) -> np.ndarray:
+    """The reward of one response per prompt, float32 [len(prompts)].
+
+    `policy` is a model folder, an in-memory model, or a `RolloutEngine` (used as it is configured); responses are
+    sampled at `temperature` or greedy. `reward_fn` defaults to the countdown reward (called directly: evaluation
+    uses trusted rewards); `tokenizer` defaults to the folder's, else the built-in character tokenizer.
     """
-    from dora_tasks.workloads import countdown
-
     engine = evaluation_engine(policy, greedy, max_new_tokens, temperature)
     tokenizer = tokenizer or (load_tokenizer(policy) if isinstance(policy, str) else CharTokenizer())
     reward_fn = reward_fn or countdown.reward
     generations = engine.generate([p.token_ids for p in prompts], 1, seed)
-    rewards = [reward_fn(p.text, tokenizer.decode(g[0].token_ids), p.answer) for p, g in zip(prompts, generations)]
-    return float(np.mean([r == 1.0 for r in rewards])) if rewards else float("nan")
+    return np.array([reward_fn(p.text, tokenizer.decode(g[0].token_ids), p.answer)
+                     for p, g in zip(prompts, generations)], dtype=np.float32)
 
 
-def evaluation_engine(policy, greedy: bool, max_new_tokens: int, temperature: float):
-    from dora_tasks.contracts import RolloutEngine
-    from dora_tasks.engines.hf_rollout import HFRolloutEngine
-
+def evaluation_engine(policy, greedy: bool, max_new_tokens: int, temperature: float) -> RolloutEngine:
     if isinstance(policy, RolloutEngine):
         return policy
     rollout_cfg = RolloutConfig(max_new_tokens=max_new_tokens, temperature=temperature)

@@ -196,6 +196,22 @@ class Driver:
                                     key=("evaluate", version), resources=CPU, pure=False)
         self.update_futures[future] = f"evaluate:{version}"
 
+    # ---- start-up ------------------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Start every engine and load the current version before the run's clock starts (engine start-up is
+        minutes on a busy machine and is not part of a step)."""
+        v, path = self.gate.newest, self.weights.path_for(self.gate.newest)
+        prompt = list(self.train_prompts[0].token_ids)
+        futures = [self.client.submit(steps.warm_up_rollout, v, path, prompt, key=("warm-up", v, address),
+                                      workers=[address], resources=ROLLOUT, pure=False)
+                   for address in self.orchestrator.instances]
+        futures.append(self.client.submit(steps.warm_up_trainer, v, key=("warm-up-trainer", v), resources=TRAINER,
+                                          pure=False))
+        wait(futures)
+        for f in futures:
+            f.result()
+        self.timeline = Timeline(time.time())
+
     # ---- waiting -------------------------------------------------------------------------------------------------
     def pending(self) -> list[Future]:
         return [f.futures[-1] for f in self.in_flight.values()] + list(self.update_futures)
@@ -223,4 +239,4 @@ def publish_initial(weights: WeightStore, model_path: str) -> None:
 
 def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str) -> None:
     client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root))
-    client.register_plugin(TrainerPlugin(weight_root, cfg.train))
+    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature))

@@ -243,7 +243,9 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         run = Run(cfg, driver, tracker, live, checkpoints, cluster, workers)
         if ckpt is not None:
             _restore(run, ckpt)
-        else:
+        driver.sync_instances()
+        driver.warm_up()
+        if ckpt is None:
             driver.submit_evaluation(0)
         yield run
 

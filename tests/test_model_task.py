@@ -84,8 +84,8 @@ def test_countdown_reward():
 
 
 def warmstart_config(tmp_path, *overrides: str) -> Config:
-    return load_config(None, ["model.hidden_size=64", "model.num_heads=4", "model.warmstart_steps=120",
-                              "model.warmstart_batch=16", "model.warmstart_lr=5e-3", "task.num_prompts=1024",
+    return load_config(None, ["model.hidden_size=128", "model.num_heads=4", "model.warmstart_steps=100",
+                              "model.warmstart_batch=16", "model.warmstart_lr=3e-3", "task.num_prompts=1024",
                               "task.eval_prompts=64", f"storage.run_dir={tmp_path}", *overrides])
 
 
@@ -109,7 +109,7 @@ def test_warm_start_sometimes_succeeds_and_is_cached(tmp_path):
     assert warm_start(cfg, out) == out  # cached: same settings, finished folder
     assert time.perf_counter() - start < 1.0
     record = json.loads((tmp_path / "policy" / "warmstart.json").read_text())
-    assert record["settings"]["steps"] == 120
+    assert record["settings"]["steps"] == 100
 
 
 def countdown_split(cfg: Config):

@@ -80,7 +80,11 @@ class HFRolloutEngine(RolloutEngine):
     """A transformers causal LM serving one version; see the module docstring for the log-prob convention."""
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
-                 do_sample: bool = True, max_batch: int = 256) -> None:
+                 do_sample: bool = True, max_batch: int = 256, threads: int | None = 1) -> None:
+        """`threads`: torch intra-op threads of this process (one per instance on a small CPU machine; None keeps
+        the process setting)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self._init(model, rollout_cfg, version, do_sample, max_batch)
 

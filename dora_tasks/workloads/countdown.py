@@ -1,18 +1,20 @@
 """Countdown: a procedural task with a verifiable reward and a long-tailed answer length.
 
-Prompt `count 374 step 8:`, answer `374 366 358 ... 6` (from the count down to the smallest non-negative number, by
-the step). The next number depends only on the previous one and the step, so a 2-layer transformer learns it from
-demonstrations; the long answers are where it slips (a borrow across the hundreds, the stop), so a warm-started model
-gets short prompts right and long ones often wrong, and RL has something to improve.
+Prompt `count 374 step 10:`, answer `374 364 354 ... 4` (from the count down to the smallest non-negative number, by
+the step). Each number follows from the previous one, so a 2-layer transformer learns the task from demonstrations in
+a CPU minute; long answers are where it slips (a borrow across the hundreds, the stop), so a warm-started model gets
+short prompts right and long ones often wrong, and RL has something to improve.
 
 The long tail: the count is drawn log-uniformly from [1, max_count], so half the counts are below sqrt(max_count)
-while the longest answers reach max_count / 7 numbers. With max_count=400 the answer length (in tokens, eos
-included) has p99/median of about 20 and a maximum of 214 tokens, inside `rollout.max_new_tokens=256`.
-`max_answer_tokens(max_count)` says what a larger cap needs.
+while the longest answers hold max_count / 10 numbers. With max_count=400 the answer length in tokens (eos included)
+has median 8, p99 141 (p99/median 17.6 over 10k prompts) and maximum 153, inside `rollout.max_new_tokens=256`;
+`max_answer_tokens(max_count)` gives the budget a cap needs (max_count=600 still fits: 233).
 
-Simplified: the step is one of 7, 8, 9 (small steps would make answers too long for the token budget); the task space
-is small (max_count * 3 distinct prompts), so a held-out set is disjoint by prompt id and seed, not by text. The reward
-is exact match (after collapsing whitespace): 1.0 or 0.0, no partial credit.
+Simplified, and why: the step is always 10. Steps 7-9 (a real subtraction with borrows at every number) were not
+learned by a 2-layer, 128-wide model in a few hundred CPU steps (sampled accuracy ~0.1, mostly one-number answers),
+which left RL nothing to work with. The task space is small (max_count distinct prompts), so the held-out set is
+disjoint by prompt id and seed, not by text. The reward is exact match after collapsing whitespace: 1.0 or 0.0, no
+partial credit.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from dora_tasks.records import Prompt
 
-STEPS = (10,)
+STEPS = (10,)  # a tuple so that more steps can come back; every helper below handles any set
 _PROMPT = re.compile(r"count (\d+) step (\d+):")
 
 

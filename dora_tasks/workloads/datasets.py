@@ -2,11 +2,12 @@
 
 `load_prompts(task_cfg, tokenizer, seed)` returns `(train, eval)` lists of `records.Prompt`. Every row must hold
 `task.prompt_key` and `task.answer_key`; a row without them raises `DatasetError` naming the file, the row and the
-key, before any work starts.
+key, before any work starts. `task.num_prompts` sizes the procedural task only; a file dataset uses all its rows.
 
 Simplified: files are read whole into memory (prompt sets are small next to rollouts); the eval set of a file dataset
-is its last `task.eval_prompts` rows after a seeded shuffle, not a separate split; `hf:` datasets are read with
-`datasets.load_dataset` (offline here: a cached hub dataset, or a folder written by `save_to_disk`).
+is its last `task.eval_prompts` rows after a seeded shuffle, not a separate split; `hf:<name>[:split]` (or
+`hf:<name>:<config>:<split>`) is read with `datasets.load_dataset` (offline here: a cached hub dataset) or, for a
+folder written by `save_to_disk`, with `load_from_disk`.
 """
 from __future__ import annotations
 
@@ -82,21 +83,31 @@ def read_parquet(path: str) -> list[dict[str, Any]]:
 
 
 def read_hf(spec: str) -> list[dict[str, Any]]:
-    """`name[:split]` (split defaults to train); a local folder from `save_to_disk` is read with `load_from_disk`."""
+    """`name[:split]` or `name:config:split` (split defaults to train); a local folder written by `save_to_disk` is
+    read with `load_from_disk`, anything else with `load_dataset` (offline here: only cached datasets)."""
     import datasets
 
-    name, _, split = spec.partition(":")
-    split = split or "train"
+    name, config, split = parse_hf_spec(spec)
     try:
         if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)[split]
         elif os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
             data = datasets.load_from_disk(name)
         else:
-            data = datasets.load_dataset(name, split=split)
+            data = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # not found, offline, bad split: all reported the same way
         raise DatasetError(f"hf:{spec}: cannot load ({type(exc).__name__}: {exc})") from None
     return list(data)
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    """`name` -> (name, None, "train"); `name:split`; `name:config:split`."""
+    parts = spec.split(":")
+    if not parts[0] or len(parts) > 3 or not all(parts):
+        raise DatasetError(f"hf:{spec}: expected hf:<name>[:split] or hf:<name>:<config>:<split>")
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    return parts[0], None, parts[1] if len(parts) == 2 else "train"
 
 
 def rows_to_prompts(rows: Iterable[dict[str, Any]], task_cfg: TaskConfig, tokenizer, source: str) -> list[Prompt]:

@@ -1,0 +1,149 @@
+"""Prompt datasets (countdown, jsonl, parquet, saved HF datasets) and safe reward scoring."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from dora_tasks.model import BOS_ID, CharTokenizer
+from dora_tasks.workloads import countdown, rewards
+from dora_tasks.workloads.datasets import DatasetError, load_prompts
+from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn, score
+from pipelines.config import TaskConfig
+
+TOK = CharTokenizer()
+ROWS = [{"question": f"what is {i} + {i}?", "solution": str(2 * i), "extra": i} for i in range(10)]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def dataset_cfg(source: str, **kwargs) -> TaskConfig:
+    return TaskConfig(name="dataset", dataset=source, prompt_key="question", answer_key="solution", eval_prompts=3,
+                      **kwargs)
+
+
+def test_countdown_train_and_eval_are_disjoint_and_seeded():
+    cfg = TaskConfig(num_prompts=200, eval_prompts=20, max_count=100)
+    train, held_out = load_prompts(cfg, TOK, seed=5)
+    assert len(train) == 200 and len(held_out) == 20
+    assert not {p.prompt_id for p in train} & {p.prompt_id for p in held_out}
+    assert load_prompts(cfg, TOK, seed=5) == (train, held_out)
+    assert load_prompts(cfg, TOK, seed=6)[0] != train
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_file_dataset_round_trip(tmp_path, fmt):
+    if fmt == "jsonl":
+        source = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = str(tmp_path / "d.parquet")
+        pq.write_table(pa.Table.from_pylist(ROWS), source)
+    train, held_out = load_prompts(dataset_cfg(source), TOK, seed=0)
+    assert len(train) == 7 and len(held_out) == 3
+    everything = sorted(train + held_out, key=lambda p: p.prompt_id)
+    assert [p.text for p in everything] == [r["question"] for r in ROWS]
+    assert [p.answer for p in everything] == [r["solution"] for r in ROWS]
+    assert everything[4].token_ids == (BOS_ID, *TOK.encode("what is 4 + 4?"))
+
+
+def test_saved_hf_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "hfdata"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "test": datasets.Dataset.from_list(ROWS[:4])}).save_to_disk(str(folder))
+    train, held_out = load_prompts(dataset_cfg(f"hf:{folder}:test"), TOK, seed=0)
+    assert len(train) + len(held_out) == 4
+    train, held_out = load_prompts(dataset_cfg(f"hf:{folder}"), TOK, seed=0)
+    assert len(train) + len(held_out) == 10
+
+
+def test_missing_key_names_file_row_and_key(tmp_path):
+    rows = ROWS[:3] + [{"question": "no answer here"}] + ROWS[3:]
+    source = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError) as info:
+        load_prompts(dataset_cfg(source), TOK, seed=0)
+    message = str(info.value)
+    assert "bad.jsonl" in message and "row 4" in message and "'solution'" in message
+
+
+def test_missing_file_and_bad_rows(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts(dataset_cfg(str(tmp_path / "nope.jsonl")), TOK, seed=0)
+    (tmp_path / "broken.jsonl").write_text('{"question": "a", "solution": "b"}\n{not json\n')
+    with pytest.raises(DatasetError, match="row 2: not valid JSON"):
+        load_prompts(dataset_cfg(str(tmp_path / "broken.jsonl")), TOK, seed=0)
+    (tmp_path / "d.csv").write_text("question,solution\n")
+    with pytest.raises(DatasetError, match="unsupported format"):
+        load_prompts(dataset_cfg(str(tmp_path / "d.csv")), TOK, seed=0)
+    with pytest.raises(DatasetError, match="hf:"):
+        load_prompts(dataset_cfg(f"hf:{tmp_path / 'no-such-dataset'}"), TOK, seed=0)
+    with pytest.raises(DatasetError, match="expected hf:<name>"):
+        load_prompts(dataset_cfg("hf:a:b:c:d"), TOK, seed=0)
+
+
+def test_parse_hf_spec():
+    from dora_tasks.workloads.datasets import parse_hf_spec
+
+    assert parse_hf_spec("gsm8k") == ("gsm8k", None, "train")
+    assert parse_hf_spec("gsm8k:test") == ("gsm8k", None, "test")
+    assert parse_hf_spec("openai/gsm8k:main:test") == ("openai/gsm8k", "main", "test")
+
+
+def test_resolve_reward_fn():
+    assert resolve_reward_fn("") is countdown.reward
+    assert resolve_reward_fn("dora_tasks.workloads.rewards.math_verify_reward") is rewards.math_verify_reward
+    with pytest.raises(RewardError, match="cannot import module 'no_such_pkg.mod'"):
+        resolve_reward_fn("no_such_pkg.mod.fn")
+    with pytest.raises(RewardError, match="has no attribute 'nope'"):
+        resolve_reward_fn("dora_tasks.workloads.countdown.nope")
+    with pytest.raises(RewardError, match="not a callable"):
+        resolve_reward_fn("dora_tasks.workloads.countdown.STEPS")
+    with pytest.raises(RewardError, match="dotted path"):
+        resolve_reward_fn("reward")
+
+
+def raises(prompt, response, answer):
+    raise KeyError("boom")
+
+
+def sleeps(prompt, response, answer):
+    time.sleep(2)
+    return 1.0
+
+
+def test_score_records_failures_and_never_raises():
+    assert score(countdown.reward, "count 4 step 10:", "4", "4", 1.0) == (1.0, "")
+    assert score(lambda *a: True, "p", "r", "a", 1.0) == (1.0, "")
+    reward, error = score(raises, "p", "r", "a", 1.0)
+    assert math.isnan(reward) and error == "KeyError: 'boom'"
+    start = time.perf_counter()
+    reward, error = score(sleeps, "p", "r", "a", 0.1)
+    assert math.isnan(reward) and error == "timeout" and time.perf_counter() - start < 1.0
+    for bad in (float("nan"), float("inf"), "1.0", None):
+        reward, error = score(lambda *a, value=bad: value, "p", "r", "a", 1.0)
+        assert math.isnan(reward) and error.startswith("non-number:"), (bad, error)
+
+
+def test_math_verify_reward():
+    assert rewards.math_verify_reward("2+2?", "The answer is $\\boxed{4}$.", "4") == 1.0
+    assert rewards.math_verify_reward("half?", "We get $\\frac{1}{2}$", "0.5") == 1.0
+    assert rewards.math_verify_reward("2+2?", "The answer is $5$.", "4") == 0.0
+    assert rewards.math_verify_reward("2+2?", "no idea", "4") == 0.0
+
+
+def test_reasoning_gym_reward_needs_the_package():
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        with pytest.raises(RewardError, match="reasoning-gym"):
+            rewards.reasoning_gym_reward("q", "r", "a")
+    else:
+        assert rewards.reasoning_gym_reward("q", "42", "42") == 1.0
