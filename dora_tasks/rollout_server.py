@@ -8,11 +8,18 @@ Version switches happen only between batches and only when no request of the loa
 token of a group comes from one version (C1). The orchestrator sends an instance only work of the version it assigned,
 so a switch is the instance moving to a newer version (or to an older one to restart a group whose instance died).
 
-Partial-rollout baseline (``rollout.partial_rollout``, comparison only): generation proceeds in chunks of
-``partial_chunk_tokens`` and the newest published version is loaded between chunks, as AReaL/slime-style partial
-rollout does; the per-token versions then record the mix (C1 is broken on purpose and the audit reports it).
-Simplified: batches are static (a batch ends when its longest response ends); vLLM's own continuous batching is used
-only inside one batch.
+Partial-rollout baseline (``rollout.partial_rollout``, comparison only, never the default): generation proceeds in
+chunks of ``partial_chunk_tokens`` and the newest published version is loaded between chunks, as AReaL/slime-style
+partial rollout does. In-flight responses continue across the weight update: each chunk is generated from the prompt
+plus the tokens so far under the weights loaded at that moment (the KV cache is recomputed with the new weights, as
+AReaL's interruptible generation does), so every token's log-prob and version are those of the version that produced
+it, and a trajectory's per-token versions record the mix (C1 is broken on purpose; the audit reports it and the gate,
+with ``allow_mixed_versions``, lets the run finish). Between chunks, finished groups are handed back at once and newly
+arrived requests (of any dispatch version: the instance serves the newest) join, a chunk-granular continuous batching.
+A response ends at its first eos (kept) or when its total budget ``max_new_tokens`` is spent (unfinished). The group's
+dispatch version is still what the orchestrator, the capacity rule and the gate count.
+Simplified: outside the partial baseline, batches are static (a batch ends when its longest response ends); vLLM's
+own continuous batching is used only inside one batch.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class RolloutServer:
         self._make_engine = make_engine
         self._newest_weights = newest_weights  # partial-rollout baseline only
         self._chunk = partial_chunk_tokens
+        self._partial = bool(partial_chunk_tokens) and newest_weights is not None
         self._engine: RolloutEngine | None = None
         self._waiting: list[_Request] = []
         self._cond = threading.Condition()
@@ -96,11 +104,17 @@ class RolloutServer:
                 self._serve(batch)
             except BaseException as exc:  # hand the error to every waiting task
                 for r in batch:
-                    r.error = exc
-                    r.done.set()
+                    if not r.done.is_set():
+                        r.error = exc
+                        r.done.set()
 
     def _take_batch(self) -> list[_Request]:
-        """All waiting requests of the loaded version; if there are none, those of the oldest waiting request."""
+        """All waiting requests of the loaded version; if there are none, those of the oldest waiting request.
+        Partial-rollout baseline: every waiting request (the instance serves the newest version whatever the
+        request's dispatch version)."""
+        if self._partial:
+            batch, self._waiting = self._waiting, []
+            return batch
         loaded = self.version
         version = loaded if any(r.version == loaded for r in self._waiting) else self._waiting[0].version
         batch = [r for r in self._waiting if r.version == version]
@@ -117,52 +131,96 @@ class RolloutServer:
         return self._engine
 
     def _serve(self, batch: list[_Request]) -> None:
+        if self._partial:
+            self._serve_partial(batch)
+            return
         engine = self._ensure(batch[0].version, batch[0].weights_path)
         start = time.time()
-        n = batch[0].n
-        if self._chunk and self._newest_weights is not None:
-            outputs = self._generate_partial(engine, batch, n)
-        else:
-            outputs = engine.generate([r.prompt_ids for r in batch], n, batch[0].seed)
+        outputs = engine.generate([r.prompt_ids for r in batch], batch[0].n, batch[0].seed)
         self.busy.spans.append((start, time.time()))
         for request, gens in zip(batch, outputs):
             request.result = gens
             request.done.set()
 
-    def _generate_partial(self, engine: RolloutEngine, batch: list[_Request], n: int) -> list[list[Generation]]:
-        """Baseline: continue unfinished responses across weight updates, chunk by chunk."""
-        states = [[_Partial(r.prompt_ids) for _ in range(n)] for r in batch]
-        budget = engine.max_new_tokens
-        seed = batch[0].seed
-        while budget > 0:
+    # ---- partial-rollout baseline (comparison only) ----------------------------------------------------------------
+    def _serve_partial(self, batch: list[_Request]) -> None:
+        """Continue unfinished responses across weight updates, chunk by chunk, until every request is answered.
+
+        Each turn: load the newest published version (never older than a request's dispatch version), let waiting
+        requests join, generate one chunk for every live response, hand back the requests whose responses all ended.
+        """
+        active: list[tuple[_Request, list[_Partial]]] = []
+        pending = list(batch)
+        chunk_index = 0
+        try:
+            while pending or active:
+                active += [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
+                pending = []
+                engine = self._load_newest([r for r, _ in active])
+                budget = engine.max_new_tokens
+                live = [s for _, states in active for s in states if not s.done(budget)]
+                if live:
+                    step = min(self._chunk, max(budget - len(s.tokens) for s in live))
+                    seed = active[0][0].seed + 7919 * chunk_index
+                    chunk_index += 1
+                    start = time.time()
+                    outs = engine.generate([s.prompt_ids + s.tokens for s in live], 1, seed, max_new_tokens=step)
+                    self.busy.spans.append((start, time.time()))
+                    for s, (g,) in zip(live, outs):
+                        s.extend(g, budget - len(s.tokens))
+                still = []
+                for request, states in active:
+                    if all(s.done(budget) for s in states):
+                        request.result = [s.to_generation() for s in states]
+                        request.done.set()
+                    else:
+                        still.append((request, states))
+                active = still
+                with self._cond:  # requests that arrived during the chunk join the next one
+                    pending, self._waiting = self._waiting, []
+        except BaseException as exc:
+            for request in [r for r, _ in active] + pending:
+                request.error = exc
+                request.done.set()
+            raise
+
+    def _load_newest(self, requests: list[_Request]) -> RolloutEngine:
+        """Load the newest published version (or a request's dispatch version, if that were newer)."""
+        for attempt in range(3):
             version, path = self._newest_weights()
-            if version > engine.version:
-                self._ensure(version, path)
-            live = [s for group in states for s in group if not s.finished]
-            if not live:
-                break
-            step = min(self._chunk, budget)
-            outs = engine.generate([s.prompt_ids + s.tokens for s in live], 1, seed, max_new_tokens=step)
-            for s, (g,) in zip(live, outs):
-                s.extend(g)
-            budget -= step
-            seed += 1
-        return [[s.to_generation() for s in group] for group in states]
+            if version is None or version < self.version:
+                version, path = self.version, ""
+            newest_request = max(requests, key=lambda r: r.version)
+            if newest_request.version > version:
+                version, path = newest_request.version, newest_request.weights_path
+            try:
+                return self._ensure(version, path)
+            except (OSError, ValueError):  # retained away between `latest()` and the load: a newer one exists
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
 
 @dataclass
 class _Partial:
+    """One response of the partial-rollout baseline, grown chunk by chunk (possibly under several versions)."""
+
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finished: bool = False
+    finished: bool = False  # ended with eos
 
-    def extend(self, g: Generation) -> None:
-        self.tokens += g.token_ids.tolist()
-        self.logprobs += g.logprobs.tolist()
-        self.versions += g.versions.tolist()
-        self.finished = g.finished
+    def done(self, budget: int) -> bool:
+        return self.finished or len(self.tokens) >= budget
+
+    def extend(self, g: Generation, room: int) -> None:
+        """Append a chunk's tokens (cut at its eos by the engine), at most `room` of them."""
+        keep = min(len(g.token_ids), max(0, room))
+        self.tokens += g.token_ids[:keep].tolist()
+        self.logprobs += g.logprobs[:keep].tolist()
+        self.versions += g.versions[:keep].tolist()
+        self.finished = bool(g.finished and keep == len(g.token_ids))
 
     def to_generation(self) -> Generation:
         return Generation(np.array(self.tokens, np.int32), np.array(self.logprobs, np.float32),

@@ -140,3 +140,8 @@ def test_evaluate_accepts_folder_model_and_engine(tmp_path):
     assert evaluate(str(tmp_path), prompts, perfect, max_new_tokens=4) == 1.0
     assert evaluate(model, prompts, perfect, greedy=True, max_new_tokens=4) == 1.0
     assert evaluate(model, prompts, max_new_tokens=4) == 0.0  # an untrained model does not count down
+
+    def broken(prompt, response, answer):
+        raise RuntimeError("bad reward")
+
+    assert np.isnan(rewards_of(model, prompts, broken, max_new_tokens=4)).all()  # recorded, not raised

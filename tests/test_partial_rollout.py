@@ -1,0 +1,179 @@
+"""The partial-rollout baseline (comparison only): responses continue across weight updates, chunk by chunk.
+
+Fast tests drive `RolloutServer` directly: with a scripted engine (eos, budget, early hand-back, joining, never
+loading an older version) and with the real transformers engine on two tiny random policies (every token's log-prob
+is the one of the version that produced it). The slow test runs the pipeline twice at the same settings on one
+cluster: the partial run finishes although its audit reports C1 violations, the normal run has none.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dora_tasks.contracts import RolloutEngine
+from dora_tasks.model import EOS_ID, CharTokenizer, build_model, save_policy
+from dora_tasks.records import Generation
+from dora_tasks.rollout_server import RolloutServer
+from pipelines.config import ModelConfig, RolloutConfig
+
+FILLER = 5
+
+
+class ScriptedEngine(RolloutEngine):
+    """Prompt `[1, L]` asks for a response of L tokens ending in eos; log-prob of every token: -(version + 1)."""
+
+    def __init__(self, budget: int, chunk_seconds: float = 0.0) -> None:
+        self.version = 0
+        self.budget = budget
+        self.chunk_seconds = chunk_seconds
+        self.calls: list[int] = []  # rows per generate call
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.budget
+
+    def load_version(self, version: int, weights_path: str) -> None:
+        self.version = version
+
+    def generate(self, prompts, n, seed, *, max_new_tokens=None):
+        assert n == 1
+        self.calls.append(len(prompts))
+        time.sleep(self.chunk_seconds)
+        out = []
+        for p in prompts:
+            length, done = p[1], len(p) - 2
+            tokens = [FILLER] * min(max_new_tokens, max(0, length - 1 - done))
+            if len(tokens) < max_new_tokens:
+                tokens.append(EOS_ID)
+            k = len(tokens)
+            out.append([Generation(np.array(tokens, np.int32), np.full(k, -(self.version + 1.0), np.float32),
+                                   np.full(k, self.version, np.int32), tokens[-1] == EOS_ID)])
+        return out
+
+
+def _ask(server: RolloutServer, version: int, length: int, n: int, results: dict, key) -> threading.Thread:
+    def go():
+        results[key] = (server.generate(version, f"/w/{version}", [1, length], n, seed=0), time.time())
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread
+
+
+def test_partial_rollout_eos_budget_versions_and_early_hand_back():
+    engine = ScriptedEngine(budget=10, chunk_seconds=0.05)
+    published = {"v": 0}
+
+    def newest():  # a new version is published before every chunk but the first
+        version = published["v"]
+        published["v"] += 1
+        return version, f"/w/{version}"
+
+    server = RolloutServer(lambda: engine, newest, partial_chunk_tokens=4)
+    results: dict = {}
+    threads = [_ask(server, 0, 3, 2, results, "short"), _ask(server, 0, 7, 1, results, "middle"),
+               _ask(server, 0, 50, 1, results, "long")]
+    for t in threads:
+        t.join(10)
+    server.close()
+
+    short, middle, long_ = (results[k][0] for k in ("short", "middle", "long"))
+    for g in short:  # ends at its eos inside the first chunk, one version
+        assert g.token_ids.tolist() == [FILLER, FILLER, EOS_ID] and g.finished
+        assert set(g.versions.tolist()) == {g.versions[0]}
+    (g,) = middle  # continues across a weight update: 4 tokens of one version, then the rest of the next
+    assert g.token_ids.tolist() == [FILLER] * 6 + [EOS_ID] and g.finished
+    assert len(set(g.versions[:4].tolist())) == 1 and set(g.versions[4:].tolist()) == {g.versions[0] + 1}
+    np.testing.assert_array_equal(g.logprobs, -(g.versions + 1.0))  # each token's log-prob from its own version
+    (g,) = long_  # no eos: cut at the total budget, unfinished, three versions
+    assert len(g.token_ids) == 10 and not g.finished and EOS_ID not in g.token_ids.tolist()
+    assert len(set(g.versions.tolist())) == 3 and np.all(np.diff(g.versions) >= 0)
+    assert results["short"][1] < results["long"][1] and results["middle"][1] < results["long"][1]
+    assert all(b[0] > a[0] for a, b in zip(server.loads, server.loads[1:]))  # only ever newer versions
+    assert all(rows <= 4 for rows in engine.calls)
+
+
+def test_partial_rollout_joins_late_requests_on_the_newest_version():
+    engine = ScriptedEngine(budget=12, chunk_seconds=0.1)
+    server = RolloutServer(lambda: engine, lambda: (3, "/w/3"), partial_chunk_tokens=2)
+    results: dict = {}
+    first = _ask(server, 2, 12, 1, results, "first")
+    time.sleep(0.15)
+    late = _ask(server, 1, 2, 1, results, "late")  # dispatched on an older version: served by the newest
+    first.join(10)
+    late.join(10)
+    server.close()
+    assert results["late"][1] < results["first"][1]  # joined the running batch, answered before it ended
+    (g,) = results["late"][0]
+    assert g.versions.tolist() == [3, 3] and g.finished
+    assert [v for v, _, _ in server.loads] == [3]
+    assert 2 in engine.calls  # the late request shared a chunk with the running one
+
+
+def test_partial_rollout_logprobs_are_those_of_the_producing_version(tmp_path):
+    tokenizer = CharTokenizer()
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+    paths = [save_policy(build_model(cfg, tokenizer.vocab_size, seed=s), tokenizer, str(tmp_path / f"v{s}"))
+             for s in (0, 1)]
+    models = [build_model(cfg, tokenizer.vocab_size, seed=s) for s in (0, 1)]
+    rollout_cfg = RolloutConfig(max_new_tokens=20, temperature=1.0, top_p=1.0)
+    from dora_tasks.engines.hf_rollout import HFRolloutEngine
+
+    calls = {"n": 0}
+
+    def newest():  # version 1 is published after the first chunk
+        calls["n"] += 1
+        return (0, paths[0]) if calls["n"] == 1 else (1, paths[1])
+
+    server = RolloutServer(lambda: HFRolloutEngine(paths[0], rollout_cfg, version=0, threads=None), newest,
+                           partial_chunk_tokens=6)
+    prompt = [1] + tokenizer.encode("count 42 step 10:")
+    gens = server.generate(0, paths[0], prompt, 3, seed=7)
+    server.close()
+    mixed = 0
+    for g in gens:
+        assert len(g.token_ids) <= 20 and (g.finished == (g.token_ids[-1] == EOS_ID))
+        assert EOS_ID not in g.token_ids[:-1].tolist()
+        assert g.versions[: min(6, len(g.versions))].tolist() == [0] * min(6, len(g.versions))
+        assert set(g.versions[6:].tolist()) <= {1}
+        mixed += len(set(g.versions.tolist())) > 1
+        ids = torch.tensor([prompt + g.token_ids.tolist()])
+        for version in (0, 1):
+            with torch.no_grad():
+                logp = torch.log_softmax(models[version](ids).logits[0, len(prompt) - 1:-1], -1)
+            expected = logp.gather(-1, torch.as_tensor(g.token_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+            rows = g.versions == version
+            np.testing.assert_allclose(g.logprobs[rows], expected[rows], atol=1e-4)
+    assert mixed > 0  # a random policy rarely says eos within 6 tokens
+
+
+@pytest.mark.slow
+def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none(small_config, tmp_path):
+    from pipelines.cluster import embedded_cluster
+    from pipelines.streaming import run_pipeline
+    from storage.audit import audit_store
+
+    # K=1: the groups of version u+1 roll out while update u runs, so a weight update lands mid-generation;
+    # 2-token chunks make it land inside almost every response longer than 2 tokens.
+    settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.partial_chunk_tokens=2"]
+    cluster = embedded_cluster(small_config(*settings))
+    try:
+        c1 = {}
+        for name, partial in (("partial", "true"), ("normal", "false")):
+            cfg = small_config(*settings, f"rollout.partial_rollout={partial}",
+                               f"cluster.scheduler_address={cluster.scheduler_address}",
+                               f"storage.run_dir={tmp_path / name}",
+                               f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
+            summary = run_pipeline(cfg)
+            report = audit_store(summary.store, cfg.dora.max_staleness)
+            assert report.counts["updates"] == 3 and report.counts["consumed_groups"] == 12
+            assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
+            c1[name] = report.count("token_version_mismatch")
+            assert summary.audit_ok == (c1[name] == 0)
+    finally:
+        cluster.close()
+    assert c1["partial"] > 0 and c1["normal"] == 0, c1
