@@ -86,6 +86,15 @@ class RolloutServer:
             raise request.error
         return request.result
 
+    def reload(self, weights_path: str) -> None:
+        """Load the current version's weights again (warm-up of the load path). Only while the server is idle."""
+        with self._cond:
+            if self._waiting or self._engine is None:
+                raise RuntimeError("reload() is for an idle, started server")
+            start = time.time()
+            self._engine.load_version(self._engine.version, weights_path)
+            self.loads.append((self._engine.version, start, time.time()))
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -143,14 +143,26 @@ def warm_up_rollout(version: int, weights_path: str, prompt_ids: list[int]) -> i
     """Create this instance's engine, load `version` and generate once (first calls are slow)."""
     from dora_tasks.plugins import rollout_server
 
-    rollout_server().generate(version, weights_path, prompt_ids, 1, 0)
+    server = rollout_server()
+    server.generate(version, weights_path, prompt_ids, 1, 0)
+    server.reload(weights_path)  # the first weight load of a process is slow too
     return version
 
 
 def warm_up_trainer(version: int) -> int:
+    """Create the train engine and save its weights once (the first save of a process is slow)."""
+    import shutil
+    import tempfile
+
     from dora_tasks.plugins import trainer_plugin
 
-    return trainer_plugin().get_engine(version).version
+    engine = trainer_plugin().get_engine(version)
+    scratch = tempfile.mkdtemp(prefix="dora-warm-up-")
+    try:
+        engine.save_weights(scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return engine.version
 
 
 # ---- held-out evaluation (CPU worker) ----------------------------------------------------------------------------

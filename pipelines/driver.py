@@ -58,6 +58,7 @@ class InFlight:
     version: int
     attempt: int
     futures: list[Future]  # rollout, reward, advantage
+    rolled_out: bool = False  # the rollout finished: its instance slot is free again
 
 
 @dataclass
@@ -123,10 +124,17 @@ class Driver:
                                     resources=CPU, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored])
 
+    def on_rolled_out(self, gid: int) -> None:
+        """The instance finished generating the group: free its slot (reward and advantage run on CPU workers)."""
+        group = self.in_flight.get(gid)
+        if group is not None and not group.rolled_out:
+            group.rolled_out = True
+            self.orchestrator.on_group_done(gid)
+
     def on_group(self, gid: int, future: Future) -> None:
         group: Group = future.result()
+        self.on_rolled_out(gid)
         del self.in_flight[gid]
-        self.orchestrator.on_group_done(gid)
         self.gate.on_complete(gid)
         self.complete[gid] = (future, group)
 
@@ -193,7 +201,7 @@ class Driver:
     def submit_evaluation(self, version: int) -> None:
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
                                     self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
-                                    key=("evaluate", version), resources=CPU, pure=False)
+                                    key=("evaluate", version), resources=CPU, pure=False, priority=-10)
         self.update_futures[future] = f"evaluate:{version}"
 
     # ---- start-up ------------------------------------------------------------------------------------------------
@@ -207,14 +215,20 @@ class Driver:
                    for address in self.orchestrator.instances]
         futures.append(self.client.submit(steps.warm_up_trainer, v, key=("warm-up-trainer", v), resources=TRAINER,
                                           pure=False))
-        wait(futures)
+        if 0 not in self.accuracy and self.gate.newest == 0:
+            self.submit_evaluation(0)
+        wait(futures + list(self.update_futures))
         for f in futures:
             f.result()
+        for f in list(self.update_futures):
+            kind = self.update_futures.pop(f)
+            self.accuracy[int(kind.split(":")[1])] = float(f.result())
         self.timeline = Timeline(time.time())
 
     # ---- waiting -------------------------------------------------------------------------------------------------
     def pending(self) -> list[Future]:
-        return [f.futures[-1] for f in self.in_flight.values()] + list(self.update_futures)
+        rolling = [g.futures[0] for g in self.in_flight.values() if not g.rolled_out]
+        return rolling + [g.futures[-1] for g in self.in_flight.values()] + list(self.update_futures)
 
     def wait_any(self, timeout_s: float) -> list[Future]:
         pending = self.pending()

@@ -77,7 +77,9 @@ class Run:
         if future.status == "error":
             self._fail(future)
         kind = d.update_futures.pop(future, None)
-        if kind is None:
+        if kind is None and future.key[0] == "rollout":
+            d.on_rolled_out(future.key[2])
+        elif kind is None:
             d.on_group(future.key[2], future)
         elif kind == "publish":
             metrics = d.on_published(future)
@@ -244,9 +246,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         if ckpt is not None:
             _restore(run, ckpt)
         driver.sync_instances()
-        driver.warm_up()
-        if ckpt is None:
-            driver.submit_evaluation(0)
+        driver.warm_up()  # engines loaded and version 0 evaluated before the clock starts
         yield run
 
 

@@ -13,12 +13,17 @@ Simplifications, and why:
 - The model is loaded whole and partitioned by `deepspeed.initialize` (no `zero.Init` at load): fine for the models
   that fit one host, which is what this project trains. The reference model (kl_coef > 0) is a plain frozen copy.
 - ZeRO-3 weights are gathered with `deepspeed.zero.GatheredParameters` to write the Hugging Face folder.
-- DeepSpeed's CPU shared-memory all-reduce creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
-  only when LOCAL_SIZE is set (the DeepSpeed launcher sets it; we do not); `shm_buffer_paths()` lists this
-  process's, for clean-up by whoever owns the process.
+- DeepSpeed's CPU shared-memory all-reduce op is not built: with one rank there is nothing to all-reduce across
+  processes, and building it compiles C++ with g++ the first time on a machine (measured 259 s on a busy 2-core
+  machine, 0.25 s once cached in ~/.cache/torch_extensions). `single_rank_comm()` makes DeepSpeed's backend skip it
+  (gloo does the, trivial, collectives); init_distributed then takes ~0.01 s on a fresh machine.
+- That op creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> only when LOCAL_SIZE is set (the
+  DeepSpeed launcher sets it; we do not); `shm_buffer_paths()` lists this process's, for clean-up by whoever owns
+  the process (a process group made outside this module may have built the op).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import socket
@@ -49,6 +54,25 @@ def ensure_distributed_env() -> None:
     if os.environ["WORLD_SIZE"] != "1":
         raise NotImplementedError(f"DeepSpeedTrainEngine trains on one rank; WORLD_SIZE={os.environ['WORLD_SIZE']} "
                                   "(splitting a TrainBatch across data-parallel ranks is not implemented)")
+
+
+@contextlib.contextmanager
+def single_rank_comm():
+    """While DeepSpeed sets up its comm backend, skip building its shared-memory all-reduce op (world size 1 never
+    uses it; building it compiles C++ for minutes the first time). Does nothing if DeepSpeed's internals moved."""
+    try:
+        from deepspeed.comm import torch as ds_comm
+    except ImportError:
+        ds_comm = None
+    original = getattr(ds_comm, "build_shm_op", None)
+    if original is None:
+        yield
+        return
+    ds_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm.build_shm_op = original
 
 
 def shm_buffer_paths() -> list[str]:
@@ -82,15 +106,16 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
         ensure_distributed_env()
-        if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         device = default_device()
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         model = load_policy(model_path, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=0.0)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                    config=deepspeed_config(train_cfg))
+        with single_rank_comm():  # deepspeed.initialize sets the backend up too when the process group exists
+            if not torch.distributed.is_initialized():
+                deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                        config=deepspeed_config(train_cfg))
         self.ref_model = load_policy(model_path, self.engine.device, trainable=False) if train_cfg.kl_coef > 0 else None
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -52,6 +52,7 @@ from dora_tasks.records import Generation
 from pipelines.config import RolloutConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ENGINE_DTYPE = "float32"  # what `make_rollout_engine` starts (it passes no dtype); see the module docstring
 CPU_BLOCK_TOKENS = 128  # vLLM's default KV block size on CPU
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -157,7 +158,7 @@ class VLLMRolloutEngine(RolloutEngine):
     """A vLLM engine serving one policy version; see the module docstring for the log-prob convention."""
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
-                 max_model_len: int | None = None, dtype: str = "float32", seed: int = 0) -> None:
+                 max_model_len: int | None = None, dtype: str = ENGINE_DTYPE, seed: int = 0) -> None:
         if dtype not in DTYPE_BYTES:
             raise EngineConfigError(f"dtype: got {dtype!r}, allowed: {', '.join(DTYPE_BYTES)}")
         self.shape = read_model_shape(model_path)

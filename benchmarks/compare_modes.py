@@ -1,0 +1,450 @@
+"""DORA against synchronous, one-step off-policy and partial rollout (and optionally TRL), side by side, in one run.
+
+One invocation runs the same long-tailed workload (countdown, `configs/longtail_bench.yaml`), the same warm-started
+model folder, the same cluster (one embedded cluster of GPU-labelled worker processes, started once and attached to
+by every mode, so no mode pays or dodges worker start-up) and the same number of trained trajectories
+(`num_updates * TBS * G`, C2 checked by the audit) for each mode, through `pipelines.streaming.run_pipeline`:
+
+    sync K=0 | one-step off-policy K=1 | partial rollout K=1 | DORA K=2 | DORA K=3 | [TRL GRPO, --with-trl]
+
+and prints ONE table (written to `<out>/compare_modes.md` and `.json`): throughput, step time, rollout bubble,
+trainer bubble, non-overlapped rollout share (definitions: /work/shared/design.md, Metrics; code:
+`pipelines/metrics.py`), max staleness and C1 violations (from the audit of each run's store), held-out accuracy
+(initial -> final, the pipeline's own greedy evaluation), wall time to the target accuracy, and speed-up over K=0.
+It also prints the answer-length tail of the consumed trajectories (p99/median) and a profile of where a step's time
+goes (from the Dask task stream, the rollout servers' busy spans and weight loads, and the store's update rows).
+
+Accuracy over time: every mode keeps its published versions (`storage.keep_versions`) and the versions at
+`--eval-every` are evaluated after all runs, off the clock, with the same `dora_tasks.warmstart.evaluate` the
+pipeline uses; each point is placed at the wall time its version was published. The target accuracy is `--target`,
+or by default the final accuracy of the synchronous run (K=0): "the same accuracy" as the baseline.
+
+Simplified, and why: one measurement per mode (no repeats: the machine is shared and a full pass is ~20 min; see
+docs/benchmark.md for the noise this leaves); the client's periodic scheduler-info refresh is switched off
+(`distributed.client.scheduler-info-interval`), because it races with `pipelines.cluster.labelled_workers` and a
+lost race reads as "every rollout instance died" (groups cancelled and re-dispatched; see docs/benchmark.md).
+
+    python benchmarks/compare_modes.py [--updates 10] [--config configs/longtail_bench.yaml]
+                                       [--out benchmarks/results] [--quick] [--with-trl] [key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+for _k, _v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+import numpy as np  # noqa: E402
+
+MODES = [  # (name, overrides)
+    ("sync K=0", ["dora.max_staleness=0"]),
+    ("one-step off-policy K=1", ["dora.max_staleness=1"]),
+    ("partial rollout K=1", ["dora.max_staleness=1", "rollout.partial_rollout=true"]),
+    ("DORA K=2", ["dora.max_staleness=2"]),
+    ("DORA K=3", ["dora.max_staleness=3"]),
+]
+QUICK = ["dora.train_batch_size=4", "dora.rollout_batch_size=8", "rollout.group_size=4", "task.eval_prompts=16"]
+COLUMNS = [  # (header, key, format)
+    ("mode", "mode", "{}"), ("tokens/s", "throughput_tokens_per_s", "{:.0f}"), ("step s", "step_time_s", "{:.2f}"),
+    ("rollout bubble", "rollout_bubble", "{:.0%}"), ("trainer bubble", "trainer_bubble", "{:.0%}"),
+    ("non-overlapped rollout", "non_overlapped_rollout_share", "{:.0%}"), ("max staleness", "max_staleness", "{}"),
+    ("C1 violations", "c1_violations", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
+    ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s", "time_to_target_s", "{:.1f}"),
+    ("speed-up vs K=0", "speedup", "{:.2f}x"),
+]
+log = logging.getLogger("compare_modes")
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- one mode ----------------------------------------------------------------------------------------------------
+def run_mode(name: str, overrides: list[str], base: list[str], args, address: str, client) -> dict:
+    from distributed import get_task_stream
+
+    from pipelines.config import load_config
+    from pipelines.streaming import run_pipeline
+    from storage.audit import audit_store
+
+    slug = name.split()[0].lower() + "_" + "".join(c for c in name.split()[-1] if c.isalnum()).lower()
+    run_dir = os.path.abspath(os.path.join(args.out, "runs", slug))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(args.config, base + overrides + [f"cluster.scheduler_address={address}",
+                                                       f"storage.run_dir={run_dir}"])
+    load_before = os.getloadavg()[0]
+    say(f"{name}: running ({' '.join(overrides)}) in {run_dir}")
+    started = time.time()
+    with get_task_stream(client=client) as stream:
+        summary = run_pipeline(cfg)
+    servers = client.run(_server_record)  # the run's rollout servers are still the workers' plugins
+    audit = audit_store(summary.store, cfg.dora.max_staleness).to_dict()
+    c1 = {v["name"]: v["count"] for v in audit["violations"] if v["clause"] == "C1"}
+    m = summary.metrics
+    row = {
+        "mode": name, "overrides": overrides, "run_dir": run_dir, "max_staleness_allowed": cfg.dora.max_staleness,
+        "throughput_tokens_per_s": m["throughput_tokens_per_s"], "step_time_s": m["step_time_s"],
+        "rollout_bubble": m["rollout_bubble"], "trainer_bubble": m["trainer_bubble"],
+        "non_overlapped_rollout_share": m["non_overlapped_rollout_share"], "wall_s": m["wall_s"],
+        "live_versions_max": m.get("live_versions_max", float("nan")),
+        "max_staleness": audit["max_staleness_seen"],
+        # trajectories with a token of a version other than their group's dispatch version (a superset of the
+        # mixed-version ones, so the two names are not added up)
+        "c1_violations": c1.get("token_version_mismatch", 0) + c1.get("group_version_mismatch", 0),
+        "c1_detail": c1, "audit_ok": audit["ok"], "audit_counts": audit["counts"],
+        "other_violations": [v for v in audit["violations"] if v["clause"] != "C1"],
+        "staleness_histogram": audit["staleness_histogram"],
+        "versions_live_concurrently": audit["versions_live_concurrently"],
+        "accuracy": {int(k): float(v) for k, v in summary.accuracy.items()},
+        "trained_trajectories": audit["counts"]["trajectories"], "consumed_tokens": audit["counts"]["consumed_tokens"],
+        "load_average": [load_before, os.getloadavg()[0]], "total_seconds": time.time() - started,
+    }
+    row.update(read_store(summary.store))
+    row["profile"] = profile(row, stream.data, servers)
+    say(f"{name}: {row['throughput_tokens_per_s']:.0f} tokens/s, step {row['step_time_s']:.2f} s, "
+        f"accuracy {row['accuracy']}, C1 {row['c1_violations']}, {row['total_seconds']:.0f} s in all")
+    return row
+
+
+def _server_record(dask_worker):
+    plugin = dask_worker.plugins.get("dora-rollout")
+    server = getattr(plugin, "server", None)
+    if server is None:
+        return None
+    return {"busy": list(server.busy.spans), "loads": list(server.loads)}
+
+
+def read_store(path: str) -> dict:
+    """Per-update timing and the consumed trajectories' lengths, from the store alone."""
+    from storage.trajectory_store import TrajectoryStore
+
+    store = TrajectoryStore.open(path)
+    traj = store.read_table("trajectories", ["group_id", "version", "consumed_by", "consumed_time", "start_time",
+                                             "end_time", "response_len", "prompt_len"])
+    upd = store.read_table("updates")
+    published = {int(u): float(w) for u, w in zip(upd["update"], upd["metrics/wall_s"])}
+    seen = {}
+    for u, t in zip(traj["consumed_by"].tolist(), traj["consumed_time"].tolist()):
+        seen[u] = t
+    return {"response_lengths": traj["response_len"].astype(int).tolist(),
+            "publish_wall_s": published,  # update u -> seconds after the run's clock started when u+1 was published
+            "_updates": {k: np.asarray(v).tolist() for k, v in upd.items()},
+            "_seen": seen,
+            "_groups": {int(g): (int(v), int(u), float(s), float(e)) for g, v, u, s, e in zip(
+                traj["group_id"], traj["version"], traj["consumed_by"], traj["start_time"], traj["end_time"])}}
+
+
+# ---- profile of a step -------------------------------------------------------------------------------------------
+def _key(entry) -> tuple:
+    key = entry["key"]
+    if isinstance(key, str) and key.startswith("("):
+        key = ast.literal_eval(key)
+    return key if isinstance(key, tuple) else (str(key),)
+
+
+def profile(row: dict, stream: list[dict], servers: dict) -> dict:
+    """Where the time goes, per steady-state step (updates 2..N-1, as the metrics count them)."""
+    from pipelines.metrics import WARMUP_UPDATES
+
+    tasks: dict[tuple, tuple[float, float]] = {}
+    per_kind: dict[str, list[float]] = defaultdict(list)
+    for entry in stream:
+        compute = [s for s in entry.get("startstops", ()) if s.get("action") == "compute"]
+        if not compute:
+            continue
+        key = _key(entry)
+        start, stop = min(s["start"] for s in compute), max(s["stop"] for s in compute)
+        tasks[key] = (start, stop)
+        per_kind[key[0]].append(stop - start)
+    upd = row["_updates"]
+    updates = [int(u) for u in upd["update"]]
+    steady = [u for u in updates if u >= WARMUP_UPDATES]
+    groups_of: dict[int, list[int]] = defaultdict(list)
+    for gid, (v, u, s, e) in row["_groups"].items():
+        groups_of[u].append(gid)
+    seen = row["_seen"]
+    phases: dict[str, list[float]] = defaultdict(list)
+    for u in steady:
+        prev = seen.get(u - 1)
+        adv = [tasks[k][1] for k in tasks if k[0] == "advantage" and len(k) > 2 and k[2] in groups_of[u]]
+        gate, update, publish = tasks.get(("gate", u)), tasks.get(("update", u)), tasks.get(("publish", u + 1))
+        if None in (prev, gate, update, publish) or not adv:
+            continue
+        ready = max(adv)
+        phases["wait for rollout data"].append(max(0.0, ready - prev))
+        phases["driver + gate until update starts"].append(update[0] - max(prev, ready))
+        phases["update (train step)"].append(update[1] - update[0])
+        phases["publish weights"].append(publish[1] - update[1])
+        phases["driver sees the new version"].append(seen[u] - publish[1])
+    steps = [seen[u] - seen[u - 1] for u in steady if u - 1 in seen]
+    out = {"steady_steps": len(steps), "step_s": float(np.mean(steps)) if steps else float("nan"),
+           "trainer_phases_s": {k: float(np.mean(v)) for k, v in phases.items()},
+           "task_mean_s": {k: float(np.mean(v)) for k, v in per_kind.items()},
+           "task_count": {k: len(v) for k, v in per_kind.items()}}
+    if steady and steady[0] - 1 in seen:
+        start, end = seen[steady[0] - 1], seen[steady[-1]]
+        inst = [s for s in servers.values() if s]
+        if inst and end > start:
+            busy = [sum(max(0.0, min(e, end) - max(s, start)) for s, e in x["busy"]) / (end - start) for x in inst]
+            load = [sum(max(0.0, min(e, end) - max(s, start)) for _, s, e in x["loads"]) / (end - start)
+                    for x in inst]
+            out["rollout_instance_share"] = {"generating": float(np.mean(busy)), "loading weights": float(np.mean(load)),
+                                             "idle": float(1 - np.mean(busy) - np.mean(load))}
+            out["weight_loads_per_instance"] = float(np.mean([len(x["loads"]) for x in inst]))
+            out["weight_load_mean_s"] = float(np.mean([e - s for x in inst for _, s, e in x["loads"]] or [0.0]))
+        rollouts = [(k, t) for k, t in tasks.items() if k[0] == "rollout"]
+        out["rollout_task_s"] = {"mean": float(np.mean([t[1] - t[0] for _, t in rollouts] or [np.nan])),
+                                 "max": float(np.max([t[1] - t[0] for _, t in rollouts] or [np.nan]))}
+        out["rollout_idle_split"] = idle_split(stream, servers, start, end)
+    return out
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def _covered(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in _merge(spans))
+
+
+def idle_split(stream: list[dict], servers: dict, start: float, end: float) -> dict:
+    """Why instances idle: share of the steady window, per instance (mean), in which the engine is generating or
+    loading weights, idle although a rollout task is running on the instance (task hand-off, waiting for the
+    running batch to end), or idle with no rollout task at all (nothing dispatched: gate capacity, RBS, the
+    drain-before-switch rule, and the reward -> advantage -> driver -> dispatch round trip that frees a slot)."""
+    window = end - start
+    shares = defaultdict(list)
+    for address, server in servers.items():
+        if not server:
+            continue
+        task_spans = [(min(x["start"] for x in e["startstops"] if x.get("action") == "compute"),
+                       max(x["stop"] for x in e["startstops"] if x.get("action") == "compute"))
+                      for e in stream if e.get("worker") == address and _key(e)[0] == "rollout"
+                      and any(x.get("action") == "compute" for x in e.get("startstops", ()))]
+        engine = _merge(list(server["busy"]) + [(s, e) for _, s, e in server["loads"]])
+        with_task = _covered(task_spans, start, end)
+        engine_busy = _covered(engine, start, end)
+        shares["engine busy (generate + load)"].append(engine_busy / window)
+        shares["idle, a rollout task on it"].append(max(0.0, with_task - engine_busy) / window)
+        shares["idle, no rollout task"].append(max(0.0, window - max(with_task, engine_busy)) / window)
+    return {k: float(np.mean(v)) for k, v in shares.items()}
+
+
+# ---- accuracy over time ------------------------------------------------------------------------------------------
+def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
+    """Evaluate each mode's kept versions at `eval_every` (off the clock), on the cluster's workers in parallel."""
+    from dora_tasks import steps
+    from dora_tasks.model import load_tokenizer
+    from dora_tasks.workloads.datasets import load_prompts
+
+    _, eval_prompts = load_prompts(cfg.task, load_tokenizer(cfg.model.path), cfg.dora.seed)
+    n = cfg.dora.num_updates
+    wanted = [v for v in range(eval_every, n, eval_every)] if eval_every else []
+    futures = {}
+    for row in rows:
+        for v in wanted:
+            if v in row["accuracy"]:
+                continue
+            path = _weights_dir(row["run_dir"], v)
+            if path is None:
+                continue
+            futures[(row["mode"], v)] = client.submit(
+                steps.evaluate, path, eval_prompts, cfg.model.path, cfg.task.reward_fn, cfg.rollout.max_new_tokens,
+                cfg.dora.seed, key=("bench-evaluate", row["mode"], v), pure=False)
+    results = {k: f.result() for k, f in futures.items()}
+    for row in rows:
+        for v in wanted:
+            if (row["mode"], v) in results:
+                row["accuracy"][v] = float(results[(row["mode"], v)])
+        row["accuracy_curve"] = [{"update": v, "wall_s": 0.0 if v == 0 else row["publish_wall_s"].get(v - 1),
+                                  "accuracy": a} for v, a in sorted(row["accuracy"].items())]
+
+
+def _weights_dir(run_dir: str, version: int) -> str | None:
+    from storage.weight_store import WeightStore
+
+    store = WeightStore(os.path.join(run_dir, "weights"))
+    return store.path_for(version) if version in store.versions() else None
+
+
+def time_to_target(curve: list[dict], target: float) -> float | None:
+    """Wall seconds at which the first trained version (update >= 1) reached `target`; None if none did."""
+    for point in curve:
+        if point["update"] >= 1 and point["accuracy"] >= target - 1e-9 and point["wall_s"] is not None:
+            return float(point["wall_s"])
+    return None
+
+
+# ---- table -------------------------------------------------------------------------------------------------------
+def finish_rows(rows: list[dict], target: float, n: int) -> None:
+    base = next((r for r in rows if r["mode"].startswith("sync")), None)
+    for row in rows:
+        acc = row["accuracy"] if "accuracy" in row else {}
+        if "accuracy_curve" in row and acc:
+            row["initial_accuracy"], row["final_accuracy"] = acc.get(0, float("nan")), acc.get(n, float("nan"))
+        row["accuracy_text"] = f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}"
+        row["time_to_target_s"] = time_to_target(row["accuracy_curve"], target)
+        row["speedup"] = row["throughput_tokens_per_s"] / base["throughput_tokens_per_s"] if base else float("nan")
+
+
+def fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a" if value is not None else "not reached"
+    return spec.format(value)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(k), f) for _, k, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def length_stats(lengths: list[int]) -> dict:
+    a = np.asarray(lengths)
+    med, p99 = float(np.median(a)), float(np.percentile(a, 99))
+    return {"median": med, "p99": p99, "max": int(a.max()), "p99_over_median": p99 / max(med, 1e-9), "n": len(a)}
+
+
+def profile_text(rows: list[dict]) -> str:
+    out = []
+    for row in rows:
+        p = row.get("profile")
+        if not p:
+            continue
+        out.append(f"{row['mode']}: {p['steady_steps']} steady steps, mean step {p['step_s']:.2f} s")
+        for k, v in p["trainer_phases_s"].items():
+            out.append(f"    trainer: {k:<36} {v:6.2f} s")
+        share = p.get("rollout_instance_share", {})
+        if p.get("rollout_idle_split"):
+            out.append("    rollout idle split: " + ", ".join(f"{k} {v:.0%}" for k, v in p["rollout_idle_split"].items()))
+        if share:
+            out.append("    rollout instances: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
+                       + f"; {p['weight_loads_per_instance']:.1f} loads/instance, {p['weight_load_mean_s']:.3f} s each")
+        tm = p["task_mean_s"]
+        out.append("    task mean s: " + ", ".join(f"{k} {tm[k]:.3f} (x{p['task_count'][k]})" for k in
+                                                  ("rollout", "reward", "advantage", "gate", "update", "publish",
+                                                   "evaluate") if k in tm))
+    return "\n".join(out)
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=None, help="updates per mode (default: the config's)")
+    parser.add_argument("--config", default="configs/longtail_bench.yaml")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 updates, TBS 4, RBS 8, G 4, 16 eval prompts")
+    parser.add_argument("--with-trl", action="store_true", help="also train TRL's GRPOTrainer (benchmarks/trl_peer.py)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="held-out accuracy to time (default: the final accuracy of sync K=0)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="evaluate every N-th version after the runs, off the clock (default 2)")
+    parser.add_argument("--modes", default="", help="comma-separated subset of mode names' first words, e.g. sync,DORA")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every mode")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import dask
+
+    dask.config.set({"distributed.client.scheduler-info-interval": "1h"})  # see the module docstring
+    from distributed import Client
+
+    from pipelines.cluster import embedded_cluster
+    from pipelines.config import load_config
+    from pipelines.driver import initial_policy
+
+    t_start = time.time()
+    updates = args.updates or (4 if args.quick else None)
+    base = (QUICK if args.quick else []) + list(args.overrides) + [
+        "tracking.live_view=false", "tracking.plots=false", "storage.checkpoint_interval=0", "task.eval_interval=0"]
+    if updates:
+        base.append(f"dora.num_updates={updates}")
+    cfg = load_config(args.config, base)
+    n = cfg.dora.num_updates
+    base += [f"storage.keep_versions={n + 1}"]
+    say(f"warm start (cached by settings): {cfg.model.hidden_size} wide, {cfg.model.warmstart_steps} steps")
+    model_path = initial_policy(cfg)
+    base.append(f"model.path={model_path}")
+    cfg = load_config(args.config, base)
+    os.makedirs(args.out, exist_ok=True)
+    modes = [(name, o) for name, o in MODES
+             if not args.modes or name.split()[0].lower() in args.modes.lower().split(",")]
+    say(f"model {model_path}; {len(modes)} modes x {n} updates x TBS {cfg.dora.train_batch_size} x G "
+        f"{cfg.rollout.group_size}; {cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS "
+        f"{cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+    rows: list[dict] = []
+    cluster = embedded_cluster(cfg)
+    try:
+        with Client(cluster) as client:
+            client.wait_for_workers(cfg.rollout.instances + 1 + cfg.cluster.cpu_workers, timeout=600)
+            for name, overrides in modes:
+                rows.append(run_mode(name, overrides, base, args, cluster.scheduler_address, client))
+            say("held-out accuracy of intermediate versions (off the clock)")
+            accuracy_curves(rows, cfg, client, args.eval_every if args.eval_every is not None else 2)
+    finally:
+        cluster.close()
+    base_row = next((r for r in rows if r["mode"].startswith("sync")), None)
+    target = args.target if args.target is not None else (base_row["accuracy"].get(n) if base_row else 0.0)
+    if args.with_trl:
+        from benchmarks.trl_peer import run_trl
+
+        say("TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts")
+        trl_dir = os.path.abspath(os.path.join(args.out, "runs", "trl"))
+        shutil.rmtree(trl_dir, ignore_errors=True)
+        load_before = os.getloadavg()[0]
+        trl = run_trl(model_path, cfg, updates=n, eval_every=args.eval_every if args.eval_every is not None else 2,
+                      out_dir=trl_dir,
+                      target=target, log=say)
+        trl["trained_prompts"] = n * cfg.dora.train_batch_size
+        trl["load_average"] = [load_before, os.getloadavg()[0]]
+        rows.append(trl)
+    finish_rows(rows, target, n)
+
+    lengths = length_stats([x for r in rows for x in r.get("response_lengths", [])])
+    per_mode_len = {r["mode"]: length_stats(r["response_lengths"]) for r in rows if r.get("response_lengths")}
+    text = "\n".join([
+        f"## DORA vs baselines on the long-tailed countdown workload ({time.strftime('%Y-%m-%d %H:%M')})", "",
+        f"Config `{args.config}` + {' '.join(args.overrides) or 'no overrides'}{' (--quick)' if args.quick else ''};"
+        f" {n} updates x TBS {cfg.dora.train_batch_size} x G {cfg.rollout.group_size} = "
+        f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per mode; "
+        f"{cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS {cfg.dora.rollout_batch_size}, "
+        f"1 trainer, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`.",
+        f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'final accuracy of sync K=0'}); "
+        f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts.",
+        f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "
+        f"p99 {lengths['p99']:.0f}, max {lengths['max']}, p99/median {lengths['p99_over_median']:.1f}.", "",
+        table(rows), "", "Profile (steady-state steps):", "```", profile_text(rows), "```"])
+    print("\n" + text + "\n")
+    with open(os.path.join(args.out, "compare_modes.md"), "w") as f:
+        f.write(text + "\n")
+    public = [{k: v for k, v in r.items() if not k.startswith("_") and k != "response_lengths"} for r in rows]
+    with open(os.path.join(args.out, "compare_modes.json"), "w") as f:
+        json.dump({"config": args.config, "overrides": args.overrides, "quick": args.quick, "updates": n,
+                   "target_accuracy": target, "model": model_path, "response_length": lengths,
+                   "response_length_per_mode": per_mode_len, "rows": public,
+                   "total_seconds": time.time() - t_start, "cpus": os.cpu_count()}, f, indent=1, default=float)
+    say(f"wrote {args.out}/compare_modes.md and .json in {time.time() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
