@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -55,13 +56,13 @@ MODES = [  # (name, overrides)
     ("DORA K=3", ["dora.max_staleness=3"]),
 ]
 QUICK = ["dora.train_batch_size=4", "dora.rollout_batch_size=8", "rollout.group_size=4", "task.eval_prompts=16"]
-COLUMNS = [  # (header, key, format)
-    ("mode", "mode", "{}"), ("tokens/s", "throughput_tokens_per_s", "{:.0f}"), ("step s", "step_time_s", "{:.2f}"),
+COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat
+    ("mode", "mode", "{}"), ("tokens/s", "throughput_text", "{}"), ("step s", "step_time_s", "{:.2f}"),
     ("rollout bubble", "rollout_bubble", "{:.0%}"), ("trainer bubble", "trainer_bubble", "{:.0%}"),
     ("non-overlapped rollout", "non_overlapped_rollout_share", "{:.0%}"), ("max staleness", "max_staleness", "{}"),
-    ("C1 violations", "c1_violations", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
+    ("C1 violations", "c1_text", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
     ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s", "time_to_target_s", "{:.1f}"),
-    ("speed-up vs K=0", "speedup", "{:.2f}x"),
+    ("speed-up vs K=0", "speedup_text", "{}"),
 ]
 log = logging.getLogger("compare_modes")
 
@@ -70,8 +71,67 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+# ---- CPU accounting ------------------------------------------------------------------------------------------------
+class CpuSampler(threading.Thread):
+    """Samples, every `period` s, the CPU seconds of each cluster worker process, of this process (driver + scheduler)
+    and of the whole machine, so a run's steady window can be split into cores used per role and by everyone else."""
+
+    def __init__(self, roles: dict[int, str], period: float = 0.5) -> None:
+        super().__init__(name="cpu-sampler", daemon=True)
+        import psutil
+
+        self.procs = {role: psutil.Process(pid) for pid, role in roles.items()}
+        self.procs["driver + scheduler"] = psutil.Process()
+        self.period, self.samples, self.halt = period, [], threading.Event()
+
+    def sample(self) -> tuple[float, dict[str, float], float]:
+        import psutil
+
+        cpu = {}
+        for role, proc in self.procs.items():
+            try:
+                t = proc.cpu_times()
+                cpu[role] = t.user + t.system
+            except psutil.Error:
+                pass
+        m = psutil.cpu_times()
+        busy = m.user + m.nice + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0) + getattr(m, "steal", 0.0)
+        return time.time(), cpu, busy
+
+    def run(self) -> None:
+        while not self.halt.wait(self.period):
+            self.samples.append(self.sample())
+
+    def cores(self, start: float, end: float) -> dict[str, float]:
+        """Mean cores used in [start, end] per role (rollout instances summed), ours in all, and the machine's."""
+        inside = [x for x in self.samples if start <= x[0] <= end]
+        if len(inside) < 2:
+            return {}
+        (t0, a, m0), (t1, b, m1) = inside[0], inside[-1]
+        out: dict[str, float] = defaultdict(float)
+        for role in b:
+            out[role.split("#")[0]] += (b[role] - a.get(role, b[role])) / (t1 - t0)
+        out["ours, all processes"] = sum(v for k, v in list(out.items()))
+        out["machine (everyone)"] = (m1 - m0) / (t1 - t0)
+        out["others"] = max(0.0, out["machine (everyone)"] - out["ours, all processes"])
+        return dict(out)
+
+
+def worker_roles(client) -> dict[int, str]:
+    """pid -> role of every worker process ("rollout#addr", "trainer", "cpu#addr")."""
+    pids = client.run(os.getpid)
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    roles = {}
+    for address, pid in pids.items():
+        res = info.get(address, {}).get("resources", {})
+        kind = "rollout instances" if "ROLLOUT" in res else "trainer" if "TRAINER" in res else "reward/advantage"
+        roles[pid] = f"{kind}#{address}"
+    return roles
+
+
 # ---- one mode ----------------------------------------------------------------------------------------------------
-def run_mode(name: str, overrides: list[str], base: list[str], args, address: str, client) -> dict:
+def run_mode(name: str, overrides: list[str], base: list[str], args, address: str, client, sampler: CpuSampler,
+             repeat: int = 0) -> dict:
     from distributed import get_task_stream
 
     from pipelines.config import load_config
@@ -79,7 +139,7 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
     from storage.audit import audit_store
 
     slug = name.split()[0].lower() + "_" + "".join(c for c in name.split()[-1] if c.isalnum()).lower()
-    run_dir = os.path.abspath(os.path.join(args.out, "runs", slug))
+    run_dir = os.path.abspath(os.path.join(args.out, "runs", f"{slug}_r{repeat}"))
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(args.config, base + overrides + [f"cluster.scheduler_address={address}",
                                                        f"storage.run_dir={run_dir}"])
@@ -93,7 +153,7 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
     c1 = {v["name"]: v["count"] for v in audit["violations"] if v["clause"] == "C1"}
     m = summary.metrics
     row = {
-        "mode": name, "overrides": overrides, "run_dir": run_dir, "max_staleness_allowed": cfg.dora.max_staleness,
+        "mode": name, "repeat": repeat, "overrides": overrides, "run_dir": run_dir, "max_staleness_allowed": cfg.dora.max_staleness,
         "throughput_tokens_per_s": m["throughput_tokens_per_s"], "step_time_s": m["step_time_s"],
         "rollout_bubble": m["rollout_bubble"], "trainer_bubble": m["trainer_bubble"],
         "non_overlapped_rollout_share": m["non_overlapped_rollout_share"], "wall_s": m["wall_s"],
@@ -112,6 +172,18 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
     }
     row.update(read_store(summary.store))
     row["profile"] = profile(row, stream.data, servers)
+    seen = row["_seen"]
+    from pipelines.metrics import WARMUP_UPDATES
+
+    if WARMUP_UPDATES - 1 in seen and seen:
+        window = (seen[WARMUP_UPDATES - 1], seen[max(seen)])
+        row["profile"]["cores_used"] = sampler.cores(*window)
+        upd = row["_updates"]
+        updating = sum(max(0.0, min(e, window[1]) - max(s_, window[0])) for s_, e in zip(upd["start"], upd["end"]))
+        cores = row["profile"]["cores_used"]
+        if updating > 0 and "trainer" in cores:
+            # trainer CPU while an update runs: 1.0 = the update had a core to itself
+            row["profile"]["trainer_cpu_while_updating"] = cores["trainer"] * (window[1] - window[0]) / updating
     say(f"{name}: {row['throughput_tokens_per_s']:.0f} tokens/s, step {row['step_time_s']:.2f} s, "
         f"accuracy {row['accuracy']}, C1 {row['c1_violations']}, {row['total_seconds']:.0f} s in all")
     return row
@@ -265,14 +337,14 @@ def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
             path = _weights_dir(row["run_dir"], v)
             if path is None:
                 continue
-            futures[(row["mode"], v)] = client.submit(
+            futures[(row["mode"], row["repeat"], v)] = client.submit(
                 steps.evaluate, path, eval_prompts, cfg.model.path, cfg.task.reward_fn, cfg.rollout.max_new_tokens,
-                cfg.dora.seed, key=("bench-evaluate", row["mode"], v), pure=False)
+                cfg.dora.seed, key=("bench-evaluate", row["mode"], row["repeat"], v), pure=False)
     results = {k: f.result() for k, f in futures.items()}
     for row in rows:
         for v in wanted:
-            if (row["mode"], v) in results:
-                row["accuracy"][v] = float(results[(row["mode"], v)])
+            if (row["mode"], row["repeat"], v) in results:
+                row["accuracy"][v] = float(results[(row["mode"], row["repeat"], v)])
         row["accuracy_curve"] = [{"update": v, "wall_s": 0.0 if v == 0 else row["publish_wall_s"].get(v - 1),
                                   "accuracy": a} for v, a in sorted(row["accuracy"].items())]
 
@@ -293,15 +365,49 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
 
 
 # ---- table -------------------------------------------------------------------------------------------------------
-def finish_rows(rows: list[dict], target: float, n: int) -> None:
-    base = next((r for r in rows if r["mode"].startswith("sync")), None)
-    for row in rows:
-        acc = row["accuracy"] if "accuracy" in row else {}
-        if "accuracy_curve" in row and acc:
-            row["initial_accuracy"], row["final_accuracy"] = acc.get(0, float("nan")), acc.get(n, float("nan"))
-        row["accuracy_text"] = f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}"
-        row["time_to_target_s"] = time_to_target(row["accuracy_curve"], target)
-        row["speedup"] = row["throughput_tokens_per_s"] / base["throughput_tokens_per_s"] if base else float("nan")
+def finish_runs(runs: list[dict], target: float, n: int) -> None:
+    """Per run: initial/final accuracy, time to target, and speed-up over the K=0 run of the same repeat."""
+    for run in runs:
+        acc = run.get("accuracy") or {}
+        if acc:
+            run["initial_accuracy"], run["final_accuracy"] = acc.get(0, float("nan")), acc.get(n, float("nan"))
+        run["time_to_target_s"] = time_to_target(run["accuracy_curve"], target)
+        base = next((r for r in runs if r["mode"].startswith("sync") and r.get("repeat") == run.get("repeat")), None)
+        run["speedup"] = run["throughput_tokens_per_s"] / base["throughput_tokens_per_s"] if base else float("nan")
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per mode: means over repeats (max for staleness); throughput and C1 also per repeat."""
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+
+        def mean(key):
+            vals = [r[key] for r in mine if r.get(key) is not None and not _isnan(r[key])]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        tput = [r["throughput_tokens_per_s"] for r in mine]
+        ttt = sorted(math.inf if r["time_to_target_s"] is None else r["time_to_target_s"] for r in mine)
+        median_ttt = float(np.median(ttt))
+        row = {k: mean(k) for k in ("throughput_tokens_per_s", "step_time_s", "rollout_bubble", "trainer_bubble",
+                                    "non_overlapped_rollout_share", "initial_accuracy", "final_accuracy", "wall_s",
+                                    "speedup")}
+        row.update({
+            "mode": mode, "repeats": len(mine),
+            "throughput_text": f"{row['throughput_tokens_per_s']:.0f} ({' / '.join(f'{t:.0f}' for t in tput)})",
+            "max_staleness": max(r["max_staleness"] for r in mine),
+            "c1_text": " / ".join(str(r["c1_violations"]) for r in mine),
+            "accuracy_text": f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}",
+            "time_to_target_s": None if math.isinf(median_ttt) else median_ttt,
+            "speedup_runs": [r["speedup"] for r in mine],
+        })
+        row["speedup_text"] = f"{row['speedup']:.2f}x ({' / '.join(f'{x:.2f}' for x in row['speedup_runs'])})"
+        rows.append(row)
+    return rows
+
+
+def _isnan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
 
 
 def fmt(value, spec: str) -> str:
@@ -329,7 +435,8 @@ def profile_text(rows: list[dict]) -> str:
         p = row.get("profile")
         if not p:
             continue
-        out.append(f"{row['mode']}: {p['steady_steps']} steady steps, mean step {p['step_s']:.2f} s")
+        out.append(f"{row['mode']} (run {row['repeat']}): {p['steady_steps']} steady steps, mean step "
+                   f"{p['step_s']:.2f} s, load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}")
         for k, v in p["trainer_phases_s"].items():
             out.append(f"    trainer: {k:<36} {v:6.2f} s")
         share = p.get("rollout_instance_share", {})
@@ -338,6 +445,10 @@ def profile_text(rows: list[dict]) -> str:
         if share:
             out.append("    rollout instances: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
                        + f"; {p['weight_loads_per_instance']:.1f} loads/instance, {p['weight_load_mean_s']:.3f} s each")
+        if p.get("cores_used"):
+            out.append("    cores used (of 2): " + ", ".join(f"{k} {v:.2f}" for k, v in p["cores_used"].items()))
+        if "trainer_cpu_while_updating" in p:
+            out.append(f"    trainer CPU while an update runs: {p['trainer_cpu_while_updating']:.2f} core")
         tm = p["task_mean_s"]
         out.append("    task mean s: " + ", ".join(f"{k} {tm[k]:.3f} (x{p['task_count'][k]})" for k in
                                                   ("rollout", "reward", "advantage", "gate", "update", "publish",
@@ -357,6 +468,7 @@ def main(argv=None) -> int:
                         help="held-out accuracy to time (default: the final accuracy of sync K=0)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="evaluate every N-th version after the runs, off the clock (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (order reversed every other round)")
     parser.add_argument("--modes", default="", help="comma-separated subset of mode names' first words, e.g. sync,DORA")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every mode")
     args = parser.parse_args(argv)
@@ -391,56 +503,66 @@ def main(argv=None) -> int:
         f"{cfg.rollout.group_size}; {cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS "
         f"{cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
-    rows: list[dict] = []
+    runs: list[dict] = []
     cluster = embedded_cluster(cfg)
     try:
         with Client(cluster) as client:
             client.wait_for_workers(cfg.rollout.instances + 1 + cfg.cluster.cpu_workers, timeout=600)
-            for name, overrides in modes:
-                rows.append(run_mode(name, overrides, base, args, cluster.scheduler_address, client))
+            sampler = CpuSampler(worker_roles(client))
+            sampler.start()
+            for repeat in range(args.repeats):  # forward, then backward: drifting machine load hits every mode
+                for name, overrides in (modes if repeat % 2 == 0 else modes[::-1]):
+                    runs.append(run_mode(name, overrides, base, args, cluster.scheduler_address, client, sampler,
+                                         repeat))
+            sampler.halt.set()
             say("held-out accuracy of intermediate versions (off the clock)")
-            accuracy_curves(rows, cfg, client, args.eval_every if args.eval_every is not None else 2)
+            accuracy_curves(runs, cfg, client, args.eval_every if args.eval_every is not None else 2)
     finally:
         cluster.close()
-    base_row = next((r for r in rows if r["mode"].startswith("sync")), None)
-    target = args.target if args.target is not None else (base_row["accuracy"].get(n) if base_row else 0.0)
+    order = [name for name, _ in modes]
+    runs.sort(key=lambda r: (order.index(r["mode"]), r["repeat"]))
+    base_final = [r["accuracy"].get(n) for r in runs if r["mode"].startswith("sync")]
+    target = args.target if args.target is not None else (float(np.mean(base_final)) if base_final else 0.0)
     if args.with_trl:
         from benchmarks.trl_peer import run_trl
 
-        say("TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts")
-        trl_dir = os.path.abspath(os.path.join(args.out, "runs", "trl"))
-        shutil.rmtree(trl_dir, ignore_errors=True)
-        load_before = os.getloadavg()[0]
-        trl = run_trl(model_path, cfg, updates=n, eval_every=args.eval_every if args.eval_every is not None else 2,
-                      out_dir=trl_dir,
-                      target=target, log=say)
-        trl["trained_prompts"] = n * cfg.dora.train_batch_size
-        trl["load_average"] = [load_before, os.getloadavg()[0]]
-        rows.append(trl)
-    finish_rows(rows, target, n)
+        for repeat in range(args.repeats):
+            say(f"TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts (repeat {repeat})")
+            trl_dir = os.path.abspath(os.path.join(args.out, "runs", f"trl_r{repeat}"))
+            shutil.rmtree(trl_dir, ignore_errors=True)
+            load_before = os.getloadavg()[0]
+            trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say,
+                          eval_every=args.eval_every if args.eval_every is not None else 2)
+            trl.update(repeat=repeat, trained_prompts=n * cfg.dora.train_batch_size,
+                       load_average=[load_before, os.getloadavg()[0]])
+            runs.append(trl)
+    finish_runs(runs, target, n)
+    rows = aggregate(runs)
 
-    lengths = length_stats([x for r in rows for x in r.get("response_lengths", [])])
-    per_mode_len = {r["mode"]: length_stats(r["response_lengths"]) for r in rows if r.get("response_lengths")}
+    lengths = length_stats([x for r in runs for x in r.get("response_lengths", [])])
+    per_mode_len = {f"{r['mode']} #{r['repeat']}": length_stats(r["response_lengths"])
+                    for r in runs if r.get("response_lengths")}
     text = "\n".join([
         f"## DORA vs baselines on the long-tailed countdown workload ({time.strftime('%Y-%m-%d %H:%M')})", "",
         f"Config `{args.config}` + {' '.join(args.overrides) or 'no overrides'}{' (--quick)' if args.quick else ''};"
         f" {n} updates x TBS {cfg.dora.train_batch_size} x G {cfg.rollout.group_size} = "
-        f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per mode; "
+        f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per run; {args.repeats} "
+        f"run(s) per mode (forward then reverse order), table = mean, (a / b) = each run; "
         f"{cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS {cfg.dora.rollout_batch_size}, "
         f"1 trainer, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`.",
         f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'final accuracy of sync K=0'}); "
         f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts.",
         f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "
         f"p99 {lengths['p99']:.0f}, max {lengths['max']}, p99/median {lengths['p99_over_median']:.1f}.", "",
-        table(rows), "", "Profile (steady-state steps):", "```", profile_text(rows), "```"])
+        table(rows), "", "Profile (steady-state steps, each run):", "```", profile_text(runs), "```"])
     print("\n" + text + "\n")
     with open(os.path.join(args.out, "compare_modes.md"), "w") as f:
         f.write(text + "\n")
-    public = [{k: v for k, v in r.items() if not k.startswith("_") and k != "response_lengths"} for r in rows]
+    public = [{k: v for k, v in r.items() if not k.startswith("_") and k != "response_lengths"} for r in runs]
     with open(os.path.join(args.out, "compare_modes.json"), "w") as f:
         json.dump({"config": args.config, "overrides": args.overrides, "quick": args.quick, "updates": n,
                    "target_accuracy": target, "model": model_path, "response_length": lengths,
-                   "response_length_per_mode": per_mode_len, "rows": public,
+                   "response_length_per_run": per_mode_len, "rows": rows, "runs": public,
                    "total_seconds": time.time() - t_start, "cpus": os.cpu_count()}, f, indent=1, default=float)
     say(f"wrote {args.out}/compare_modes.md and .json in {time.time() - t_start:.0f} s")
     return 0

@@ -140,10 +140,11 @@ class Run:
 
         report = audit_store(cfg.storage.resolved("trajectory_store"), cfg.dora.max_staleness)
         plots = self._plots()
-        self.tracker.log_update(cfg.dora.num_updates, metrics)
+        self.tracker.log_update(cfg.dora.num_updates, {f"summary/{k}": v for k, v in metrics.items()})
         self.tracker.log_text("audit.txt", report.to_text())
-        for path in plots + [os.path.join(cfg.storage.run_dir, CONFIG_FILE)]:
-            self.tracker.log_artifact(path)
+        self.tracker.log_artifact(os.path.join(cfg.storage.run_dir, CONFIG_FILE))
+        for path in plots:
+            self.tracker.log_artifact(path, "plots")
         return RunSummary(cfg.storage.run_dir, cfg.storage.resolved("trajectory_store"), self.tracker.tracking_uri,
                           self.tracker.run_id, metrics, dict(d.accuracy), report.ok, report.to_text(), plots)
 

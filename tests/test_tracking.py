@@ -183,3 +183,26 @@ def test_null_tracker_has_the_same_interface():
     with NullTracker(None) as tracker:
         tracker.log_update(0, {"x": 1.0})
         assert tracker.run_id is None and tracker.ui_command() == ""
+
+
+@pytest.mark.slow
+def test_a_real_run_is_tracked_in_a_real_mlflow_server(mlflow_server, small_config):
+    """A short pipeline run against `mlflow server` on 127.0.0.1, read back with MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.streaming import run_pipeline
+
+    cfg = small_config(f"tracking.mlflow_uri={mlflow_server}", "tracking.plots=true", "dora.num_updates=3")
+    summary = run_pipeline(cfg)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.data.params == {k: str(v) for k, v in cfg.flat().items()}
+    for key in ("reward_mean", "loss", "staleness_max", "step_time_s", "weight_sync_s", "clip_fraction"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == [0, 1, 2], key
+    assert "summary/throughput_tokens_per_s" in run.data.metrics
+    assert run.data.tags["dora.max_staleness"] == str(cfg.dora.max_staleness)
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/timeline.png", "plots/staleness.png", "plots/learning.png"} <= plots
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "audit.txt"} <= top

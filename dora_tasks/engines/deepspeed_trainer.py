@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib
 import os
 import socket
 
@@ -61,7 +62,7 @@ def single_rank_comm():
     """While DeepSpeed sets up its comm backend, skip building its shared-memory all-reduce op (world size 1 never
     uses it; building it compiles C++ for minutes the first time). Does nothing if DeepSpeed's internals moved."""
     try:
-        from deepspeed.comm import torch as ds_comm
+        ds_comm = importlib.import_module("deepspeed.comm.torch")  # `from deepspeed.comm import torch` is torch itself
     except ImportError:
         ds_comm = None
     original = getattr(ds_comm, "build_shm_op", None)
