@@ -198,23 +198,24 @@ def _server_record(dask_worker):
 
 
 def read_store(path: str) -> dict:
-    """Per-update timing and the consumed trajectories' lengths, from the store alone."""
+    """Per-update timing, group spans and the consumed trajectories' lengths, from the store alone (every time in
+    it is a plain `time.time()` of this machine, so they compare without clock corrections)."""
     from storage.trajectory_store import TrajectoryStore
 
     store = TrajectoryStore.open(path)
-    traj = store.read_table("trajectories", ["group_id", "version", "consumed_by", "consumed_time", "start_time",
-                                             "end_time", "response_len", "prompt_len"])
+    traj = store.read_table("trajectories", ["group_id", "version", "instance", "consumed_by", "consumed_time",
+                                             "start_time", "end_time", "response_len"])
     upd = store.read_table("updates")
-    published = {int(u): float(w) for u, w in zip(upd["update"], upd["metrics/wall_s"])}
     seen = {}
     for u, t in zip(traj["consumed_by"].tolist(), traj["consumed_time"].tolist()):
         seen[u] = t
+    groups = {}
+    for g, v, i, u, s0, e in zip(traj["group_id"].tolist(), traj["version"].tolist(), traj["instance"].tolist(),
+                                 traj["consumed_by"].tolist(), traj["start_time"].tolist(), traj["end_time"].tolist()):
+        groups[g] = (v, str(i), u, s0, e)
     return {"response_lengths": traj["response_len"].astype(int).tolist(),
-            "publish_wall_s": published,  # update u -> seconds after the run's clock started when u+1 was published
-            "_updates": {k: np.asarray(v).tolist() for k, v in upd.items()},
-            "_seen": seen,
-            "_groups": {int(g): (int(v), int(u), float(s), float(e)) for g, v, u, s, e in zip(
-                traj["group_id"], traj["version"], traj["consumed_by"], traj["start_time"], traj["end_time"])}}
+            "publish_wall_s": {int(u): float(w) for u, w in zip(upd["update"], upd["metrics/wall_s"])},
+            "_updates": {k: np.asarray(v).tolist() for k, v in upd.items()}, "_seen": seen, "_groups": groups}
 
 
 # ---- profile of a step -------------------------------------------------------------------------------------------
@@ -226,96 +227,87 @@ def _key(entry) -> tuple:
 
 
 def profile(row: dict, stream: list[dict], servers: dict) -> dict:
-    """Where the time goes, per steady-state step (updates 2..N-1, as the metrics count them)."""
+    """Where the time goes, per steady-state step (updates 2..N-1, as the metrics count them).
+
+    Trainer side, per step (store times): wait for the batch's last rollout to end; reward + advantage + driver +
+    gate until the update starts; the update; the weight publish; until the driver sees the new version. Rollout
+    side: generating / loading / idle shares of the instances, and why they idle (`idle_split`). Task durations
+    (same-worker differences, so clock offsets cancel) come from the Dask task stream."""
     from pipelines.metrics import WARMUP_UPDATES
 
-    tasks: dict[tuple, tuple[float, float]] = {}
     per_kind: dict[str, list[float]] = defaultdict(list)
     for entry in stream:
-        compute = [s for s in entry.get("startstops", ()) if s.get("action") == "compute"]
-        if not compute:
-            continue
-        key = _key(entry)
-        start, stop = min(s["start"] for s in compute), max(s["stop"] for s in compute)
-        tasks[key] = (start, stop)
-        per_kind[key[0]].append(stop - start)
-    upd = row["_updates"]
-    updates = [int(u) for u in upd["update"]]
-    steady = [u for u in updates if u >= WARMUP_UPDATES]
-    groups_of: dict[int, list[int]] = defaultdict(list)
-    for gid, (v, u, s, e) in row["_groups"].items():
-        groups_of[u].append(gid)
-    seen = row["_seen"]
+        compute = [x for x in entry.get("startstops", ()) if x.get("action") == "compute"]
+        if compute:
+            per_kind[_key(entry)[0]].append(sum(x["stop"] - x["start"] for x in compute))
+    upd, seen, groups = row["_updates"], row["_seen"], row["_groups"]
+    timing = {int(u): (s0, e, p) for u, s0, e, p in zip(upd["update"], upd["start"], upd["end"],
+                                                          upd["publish_seconds"])}
+    last_end: dict[int, float] = defaultdict(float)
+    for v, inst, u, s0, e in groups.values():
+        last_end[u] = max(last_end[u], e)
+    steady = [u for u in sorted(timing) if u >= WARMUP_UPDATES and u - 1 in seen and u in seen]
     phases: dict[str, list[float]] = defaultdict(list)
     for u in steady:
-        prev = seen.get(u - 1)
-        adv = [tasks[k][1] for k in tasks if k[0] == "advantage" and len(k) > 2 and k[2] in groups_of[u]]
-        gate, update, publish = tasks.get(("gate", u)), tasks.get(("update", u)), tasks.get(("publish", u + 1))
-        if None in (prev, gate, update, publish) or not adv:
-            continue
-        ready = max(adv)
-        phases["wait for rollout data"].append(max(0.0, ready - prev))
-        phases["driver + gate until update starts"].append(update[0] - max(prev, ready))
-        phases["update (train step)"].append(update[1] - update[0])
-        phases["publish weights"].append(publish[1] - update[1])
-        phases["driver sees the new version"].append(seen[u] - publish[1])
-    steps = [seen[u] - seen[u - 1] for u in steady if u - 1 in seen]
-    out = {"steady_steps": len(steps), "step_s": float(np.mean(steps)) if steps else float("nan"),
+        prev, (start, end, pub), ready = seen[u - 1], timing[u], last_end[u]
+        phases["wait for the batch's last rollout"].append(max(0.0, ready - prev))
+        phases["reward+advantage+driver+gate"].append(max(0.0, start - max(prev, ready)))
+        phases["update (train step)"].append(end - start)
+        phases["publish (write weights)"].append(pub)
+        phases["until the driver sees it"].append(seen[u] - end - pub)
+    out = {"steady_steps": len(steady),
+           "step_s": float(np.mean([seen[u] - seen[u - 1] for u in steady])) if steady else float("nan"),
            "trainer_phases_s": {k: float(np.mean(v)) for k, v in phases.items()},
            "task_mean_s": {k: float(np.mean(v)) for k, v in per_kind.items()},
            "task_count": {k: len(v) for k, v in per_kind.items()}}
-    if steady and steady[0] - 1 in seen:
+    if steady:
         start, end = seen[steady[0] - 1], seen[steady[-1]]
-        inst = [s for s in servers.values() if s]
+        inst = {a: x for a, x in servers.items() if x}
         if inst and end > start:
-            busy = [sum(max(0.0, min(e, end) - max(s, start)) for s, e in x["busy"]) / (end - start) for x in inst]
-            load = [sum(max(0.0, min(e, end) - max(s, start)) for _, s, e in x["loads"]) / (end - start)
-                    for x in inst]
+            window = end - start
+            busy = [_covered(x["busy"], start, end) / window for x in inst.values()]
+            load = [_covered([(s0, e) for _, s0, e in x["loads"]], start, end) / window for x in inst.values()]
             out["rollout_instance_share"] = {"generating": float(np.mean(busy)), "loading weights": float(np.mean(load)),
                                              "idle": float(1 - np.mean(busy) - np.mean(load))}
-            out["weight_loads_per_instance"] = float(np.mean([len(x["loads"]) for x in inst]))
-            out["weight_load_mean_s"] = float(np.mean([e - s for x in inst for _, s, e in x["loads"]] or [0.0]))
-        rollouts = [(k, t) for k, t in tasks.items() if k[0] == "rollout"]
-        out["rollout_task_s"] = {"mean": float(np.mean([t[1] - t[0] for _, t in rollouts] or [np.nan])),
-                                 "max": float(np.max([t[1] - t[0] for _, t in rollouts] or [np.nan]))}
-        out["rollout_idle_split"] = idle_split(stream, servers, start, end)
+            out["weight_loads_per_instance"] = float(np.mean([len(x["loads"]) for x in inst.values()]))
+            out["weight_load_mean_s"] = float(np.mean([e - s0 for x in inst.values() for _, s0, e in x["loads"]]
+                                                      or [0.0]))
+            out["rollout_idle_split"] = idle_split(groups, inst, start, end)
+        spans = [e - s0 for _, _, _, s0, e in groups.values()]
+        out["group_rollout_s"] = {"mean": float(np.mean(spans)), "max": float(np.max(spans))}
     return out
 
 
-def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _merge(spans) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
-    for s, e in sorted(spans):
-        if merged and s <= merged[-1][1]:
+    for s0, e in sorted(spans):
+        if merged and s0 <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
+            merged.append([s0, e])
+    return [(s0, e) for s0, e in merged]
 
 
-def _covered(spans: list[tuple[float, float]], start: float, end: float) -> float:
-    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in _merge(spans))
+def _covered(spans, start: float, end: float) -> float:
+    return sum(max(0.0, min(e, end) - max(s0, start)) for s0, e in _merge(spans))
 
 
-def idle_split(stream: list[dict], servers: dict, start: float, end: float) -> dict:
-    """Why instances idle: share of the steady window, per instance (mean), in which the engine is generating or
-    loading weights, idle although a rollout task is running on the instance (task hand-off, waiting for the
-    running batch to end), or idle with no rollout task at all (nothing dispatched: gate capacity, RBS, the
-    drain-before-switch rule, and the reward -> advantage -> driver -> dispatch round trip that frees a slot)."""
+def idle_split(groups: dict, servers: dict, start: float, end: float) -> dict:
+    """Why instances idle, as shares of the steady window (mean over instances): the engine is generating or
+    loading weights; it is idle although a group's rollout task is running on it (hand-off into the engine thread,
+    waiting for the running static batch to end); or no rollout task is on it at all (nothing dispatched: gate
+    capacity, RBS, the drain-before-switch rule, and the rollout -> reward -> advantage -> driver -> dispatch round
+    trip that frees a slot)."""
     window = end - start
     shares = defaultdict(list)
     for address, server in servers.items():
-        if not server:
-            continue
-        task_spans = [(min(x["start"] for x in e["startstops"] if x.get("action") == "compute"),
-                       max(x["stop"] for x in e["startstops"] if x.get("action") == "compute"))
-                      for e in stream if e.get("worker") == address and _key(e)[0] == "rollout"
-                      and any(x.get("action") == "compute" for x in e.get("startstops", ()))]
-        engine = _merge(list(server["busy"]) + [(s, e) for _, s, e in server["loads"]])
-        with_task = _covered(task_spans, start, end)
+        tasks = [(s0, e) for _, inst, _, s0, e in groups.values() if inst == address]
+        engine = list(server["busy"]) + [(s0, e) for _, s0, e in server["loads"]]
         engine_busy = _covered(engine, start, end)
-        shares["engine busy (generate + load)"].append(engine_busy / window)
-        shares["idle, a rollout task on it"].append(max(0.0, with_task - engine_busy) / window)
-        shares["idle, no rollout task"].append(max(0.0, window - max(with_task, engine_busy)) / window)
+        either = _covered(tasks + engine, start, end)
+        shares["engine busy"].append(engine_busy / window)
+        shares["idle with a rollout task on it"].append((either - engine_busy) / window)
+        shares["idle with no rollout task"].append((window - either) / window)
     return {k: float(np.mean(v)) for k, v in shares.items()}
 
 

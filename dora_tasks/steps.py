@@ -86,7 +86,8 @@ def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions:
     """Pass the batch to update `update` only if it keeps C1, C2 and C3; raise otherwise (nothing is trained)."""
     for g in groups:
         if not 0 <= update - g.version <= max_staleness:
-            raise StalenessViolation(f"group {g.group_id} of version {g.version} in update {update} (K={max_staleness})")
+            raise StalenessViolation(f"group {g.group_id} of version {g.version} in update {update} "
+                                     f"(K={max_staleness})")
         if len(g.trajectories) != group_size:
             raise StalenessViolation(f"group {g.group_id} has {len(g.trajectories)} of {group_size} trajectories")
         mixed = [t.sample_idx for t in g.trajectories if t.distinct_versions - {g.version}]

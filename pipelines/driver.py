@@ -26,7 +26,7 @@ from pipelines.cluster import labelled_workers
 from pipelines.config import Config
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.metrics import Timeline, UpdateTiming
-from pipelines.orchestrator import Load, Orchestrator, Start
+from pipelines.orchestrator import Orchestrator, Start
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
 
@@ -90,19 +90,15 @@ class Driver:
         for address in list(self.orchestrator.instances):
             if address not in current:
                 for gid in self.orchestrator.remove_instance(address):
-                    log.warning("instance %s lost; group %d restarts on version %d", address, gid,
-                                self.orchestrator.running.get(gid, (self.in_flight[gid].version,))[0])
-                    self.client.cancel(self.in_flight.pop(gid).futures)
+                    lost = self.in_flight.pop(gid)
+                    log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
+                    self.client.cancel(lost.futures)
         for address, slots in current.items():
             self.orchestrator.add_instance(address, slots)
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
         return self.train_prompts[group_id % len(self.train_prompts)]
-
-    def act(self, action: Load | Start) -> None:
-        if isinstance(action, Start):
-            self.submit_group(action)
 
     def submit_group(self, start: Start) -> None:
         gid, v = start.group_id, start.version
@@ -200,8 +196,8 @@ class Driver:
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def submit_evaluation(self, version: int) -> None:
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
-                                    self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
-                                    key=("evaluate", version), resources=CPU, pure=False, priority=-10)
+                                    self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens,
+                                    self.cfg.dora.seed, key=("evaluate", version), resources=CPU, pure=False, priority=-10)
         self.update_futures[future] = f"evaluate:{version}"
 
     # ---- start-up ------------------------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ class VersionGate:
         check(self.dispatched_total == len(self.unconsumed) + len(self.consumed), "dispatch count drifted")
         check(self.dispatched_total <= (self.newest + K + 1) * tbs, "capacity rule broken")
         check(len(self.consumed) == self.next_update * tbs, "an update consumed other than TBS groups")
-        check(all(v >= self.next_update - K for v in self.unconsumed.values()), "an unconsumed group fell out of the window")
+        check(all(v >= self.next_update - K for v in self.unconsumed.values()),
+              "an unconsumed group fell out of the window")
         left = sorted(self.unconsumed.values())
         for count, v in enumerate(left, start=1):
             check(count <= (v + K - self.next_update + 1) * tbs,
