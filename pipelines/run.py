@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import yaml
 from distributed import Future
 
@@ -155,6 +156,8 @@ class Run:
 
         store = TrajectoryStore.open(self.cfg.storage.resolved("trajectory_store"))
         tables = {name: store.read_table(name) for name in ("dispatch", "trajectories", "updates")}
+        updates = tables["updates"]  # held-out accuracy of version u + 1 belongs to the row of update u
+        updates["accuracy"] = np.array([self.driver.accuracy.get(int(u) + 1, np.nan) for u in updates["update"]])
         return make_plots(tables, os.path.join(self.cfg.storage.run_dir, "plots"), self.cfg.dora.max_staleness)
 
 
