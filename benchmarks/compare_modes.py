@@ -46,7 +46,7 @@ for _k, _v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
                "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 MODES = [  # (name, overrides)
     ("sync K=0", ["dora.max_staleness=0"]),
@@ -273,6 +273,8 @@ def profile(row: dict, stream: list[dict], servers: dict) -> dict:
             out["weight_load_mean_s"] = float(np.mean([e - s0 for x in inst.values() for _, s0, e in x["loads"]]
                                                       or [0.0]))
             out["rollout_idle_split"] = idle_split(groups, inst, start, end)
+        # share of the window after the run's last rollout ended: the last updates only train (finite-run tail)
+        out["rollout_drained_share"] = max(0.0, end - max(e for *_, e in groups.values())) / (end - start)
         spans = [e - s0 for _, _, _, s0, e in groups.values()]
         out["group_rollout_s"] = {"mean": float(np.mean(spans)), "max": float(np.max(spans))}
     return out
@@ -374,7 +376,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
     for mode in dict.fromkeys(r["mode"] for r in runs):
         mine = [r for r in runs if r["mode"] == mode]
 
-        def mean(key):
+        def mean(key, mine=mine):
             vals = [r[key] for r in mine if r.get(key) is not None and not _isnan(r[key])]
             return float(np.mean(vals)) if vals else float("nan")
 
@@ -426,6 +428,10 @@ def profile_text(rows: list[dict]) -> str:
     for row in rows:
         p = row.get("profile")
         if not p:
+            if "cpu_s_per_1k_tokens" in row:
+                out.append(f"{row['mode']} (run {row['repeat']}): one process, {row['cpu_cores_used']:.2f} cores used, "
+                           f"CPU s per 1000 consumed tokens {row['cpu_s_per_1k_tokens']:.2f}, generation "
+                           f"{row['non_overlapped_rollout_share']:.0%} of wall time")
             continue
         out.append(f"{row['mode']} (run {row['repeat']}): {p['steady_steps']} steady steps, mean step "
                    f"{p['step_s']:.2f} s, load average {row['load_average'][0]:.1f} -> {row['load_average'][1]:.1f}")
@@ -433,12 +439,17 @@ def profile_text(rows: list[dict]) -> str:
             out.append(f"    trainer: {k:<36} {v:6.2f} s")
         share = p.get("rollout_instance_share", {})
         if p.get("rollout_idle_split"):
-            out.append("    rollout idle split: " + ", ".join(f"{k} {v:.0%}" for k, v in p["rollout_idle_split"].items()))
+            out.append("    rollout idle split: " + ", ".join(f"{k} {v:.0%}" for k, v in p["rollout_idle_split"].items())
+                       + f"; all rollouts done for the last {p.get('rollout_drained_share', 0):.0%} of the window")
         if share:
             out.append("    rollout instances: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
                        + f"; {p['weight_loads_per_instance']:.1f} loads/instance, {p['weight_load_mean_s']:.3f} s each")
         if p.get("cores_used"):
             out.append("    cores used (of 2): " + ", ".join(f"{k} {v:.2f}" for k, v in p["cores_used"].items()))
+        if p.get("cores_used") and row["throughput_tokens_per_s"] > 0:
+            per = {k: 1000 * v / row["throughput_tokens_per_s"] for k, v in p["cores_used"].items()
+                   if k not in ("machine (everyone)", "others")}
+            out.append("    CPU s per 1000 consumed tokens: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
         if "trainer_cpu_while_updating" in p:
             out.append(f"    trainer CPU while an update runs: {p['trainer_cpu_while_updating']:.2f} core")
         tm = p["task_mean_s"]
@@ -536,16 +547,16 @@ def main(argv=None) -> int:
                     for r in runs if r.get("response_lengths")}
     text = "\n".join([
         f"## DORA vs baselines on the long-tailed countdown workload ({time.strftime('%Y-%m-%d %H:%M')})", "",
-        f"Config `{args.config}` + {' '.join(args.overrides) or 'no overrides'}{' (--quick)' if args.quick else ''};"
-        f" {n} updates x TBS {cfg.dora.train_batch_size} x G {cfg.rollout.group_size} = "
-        f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per run; {args.repeats} "
-        f"run(s) per mode (forward then reverse order), table = mean, (a / b) = each run; "
-        f"{cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS {cfg.dora.rollout_batch_size}, "
-        f"1 trainer, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`.",
-        f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'final accuracy of sync K=0'}); "
-        f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts.",
-        f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "
-        f"p99 {lengths['p99']:.0f}, max {lengths['max']}, p99/median {lengths['p99_over_median']:.1f}.", "",
+        (f"Config `{args.config}` + {' '.join(args.overrides) or 'no overrides'}{' (--quick)' if args.quick else ''};"
+         f" {n} updates x TBS {cfg.dora.train_batch_size} x G {cfg.rollout.group_size} = "
+         f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per run; {args.repeats} "
+         f"run(s) per mode (forward then reverse order), table = mean, (a / b) = each run; "
+         f"{cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS {cfg.dora.rollout_batch_size}, "
+         f"1 trainer, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`."),
+        (f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'final accuracy of sync K=0'}); "
+         f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts."),
+        (f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "
+         f"p99 {lengths['p99']:.0f}, max {lengths['max']}, p99/median {lengths['p99_over_median']:.1f}."), "",
         table(rows), "", "Profile (steady-state steps, each run):", "```", profile_text(runs), "```"])
     print("\n" + text + "\n")
     with open(os.path.join(args.out, "compare_modes.md"), "w") as f:

@@ -27,16 +27,17 @@ import json
 import os
 import sys
 import time
+from typing import ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-from transformers import PreTrainedTokenizer, TrainerCallback  # noqa: E402
+import numpy as np
+from transformers import PreTrainedTokenizer, TrainerCallback
 
-from dora_tasks.model import BOS_ID, CHARSET, EOS_ID, PAD_ID, CharTokenizer, load_tokenizer  # noqa: E402
+from dora_tasks.model import BOS_ID, CHARSET, EOS_ID, PAD_ID, CharTokenizer, load_tokenizer
 
 SPECIALS = {"<pad>": PAD_ID, "<bos>": BOS_ID, "<eos>": EOS_ID}
 WARMUP_STEPS = 2  # as pipelines.metrics.WARMUP_UPDATES
@@ -47,7 +48,7 @@ class HFCharTokenizer(PreTrainedTokenizer):
 
     `tok(text)` gives bos + one id per character, exactly `Prompt.token_ids`; decoding skips pad/bos/eos."""
 
-    model_input_names = ["input_ids", "attention_mask"]
+    model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
 
     def __init__(self, charset: str = CHARSET, **kwargs) -> None:
         self.char = CharTokenizer(charset)
@@ -82,25 +83,30 @@ class HFCharTokenizer(PreTrainedTokenizer):
 
 
 class _Clock:
-    """Training wall time with pauses (evaluation is left off the clock)."""
+    """Training wall time and this process's CPU time, with pauses (evaluation is left off both)."""
 
     def __init__(self) -> None:
-        self.start = self.paused_at = None
-        self.paused = 0.0
+        self.start = self.paused_at = self.cpu_start = self.cpu_paused_at = None
+        self.paused = self.cpu_paused = 0.0
 
     def begin(self) -> None:
-        self.start = time.time()
+        self.start, self.cpu_start = time.time(), time.process_time()
 
     def now(self) -> float:
         ref = self.paused_at if self.paused_at is not None else time.time()
         return ref - self.start - self.paused
 
+    def cpu(self) -> float:
+        ref = self.cpu_paused_at if self.cpu_paused_at is not None else time.process_time()
+        return ref - self.cpu_start - self.cpu_paused
+
     def pause(self) -> None:
-        self.paused_at = time.time()
+        self.paused_at, self.cpu_paused_at = time.time(), time.process_time()
 
     def resume(self) -> None:
         self.paused += time.time() - self.paused_at
-        self.paused_at = None
+        self.cpu_paused += time.process_time() - self.cpu_paused_at
+        self.paused_at = self.cpu_paused_at = None
 
 
 def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str, target: float | None = None,
@@ -142,9 +148,10 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
         dataloader_num_workers=0, disable_tqdm=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = HFCharTokenizer(char.charset)
-    eval_kwargs = dict(greedy=True, seed=cfg.dora.seed, max_new_tokens=cfg.rollout.max_new_tokens, tokenizer=char)
+    eval_kwargs = {"greedy": True, "seed": cfg.dora.seed, "max_new_tokens": cfg.rollout.max_new_tokens,
+                   "tokenizer": char}
     clock = _Clock()
-    steps: list[tuple[float, int]] = []  # (train-clock seconds at step end, tokens of the step)
+    steps: list[tuple[float, int, float]] = []  # (train-clock seconds, tokens, CPU seconds) at each step end
     curve: list[tuple[int, float, float]] = []  # (step, train-clock seconds, held-out accuracy)
     gen = {"seconds": 0.0, "tokens": 0}
 
@@ -157,7 +164,7 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
             clock.begin()
 
         def on_step_end(self, args_, state, control, model=None, **kwargs):
-            steps.append((clock.now(), gen.pop("step_tokens", 0)))
+            steps.append((clock.now(), gen.pop("step_tokens", 0), clock.cpu()))
             step = state.global_step
             if step == updates or (eval_every and step % eval_every == 0):
                 clock.pause()
@@ -185,22 +192,27 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
     return trl_row(steps, curve, gen, target)
 
 
-def trl_row(steps: list[tuple[float, int]], curve: list[tuple[int, float, float]], gen: dict,
+def trl_row(steps: list[tuple[float, int, float]], curve: list[tuple[int, float, float]], gen: dict,
             target: float | None) -> dict:
-    ends = [0.0] + [t for t, _ in steps]
+    ends = [0.0] + [t for t, _, _ in steps]
     steady = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps
     start = ends[WARMUP_STEPS] if len(steps) > WARMUP_STEPS else 0.0
+    cpu_start = steps[WARMUP_STEPS - 1][2] if len(steps) > WARMUP_STEPS else 0.0
     wall = max(1e-9, steps[-1][0] - start)
+    tokens = sum(n for _, n, _ in steady)
     reached = [t for _, t, acc in curve if target is not None and acc >= target - 1e-9]
     return {
-        "mode": "TRL GRPO (sync)", "throughput_tokens_per_s": sum(n for _, n in steady) / wall,
+        "mode": "TRL GRPO (sync)", "throughput_tokens_per_s": tokens / wall,
+        # this process's CPU over the steady steps: cores used, and CPU seconds per 1000 consumed tokens
+        "cpu_cores_used": (steps[-1][2] - cpu_start) / wall,
+        "cpu_s_per_1k_tokens": 1000 * (steps[-1][2] - cpu_start) / max(1, tokens),
         "step_time_s": float(np.mean(np.diff(ends)[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else np.diff(ends))),
         "rollout_bubble": float("nan"), "trainer_bubble": float("nan"),
         "non_overlapped_rollout_share": gen["seconds"] / max(1e-9, steps[-1][0]),
         "max_staleness": 0, "c1_violations": 0, "initial_accuracy": curve[0][2], "final_accuracy": curve[-1][2],
         "wall_s": steps[-1][0], "time_to_target_s": reached[0] if reached else None,
         "accuracy_curve": [{"update": s, "wall_s": t, "accuracy": a} for s, t, a in curve],
-        "trained_prompts": None, "consumed_tokens": sum(n for _, n in steps),
+        "trained_prompts": None, "consumed_tokens": sum(n for _, n, _ in steps),
     }
 
 

@@ -52,7 +52,7 @@ class RolloutPlugin(WorkerPlugin):
             from storage.weight_store import WeightStore
 
             store = WeightStore(self.weight_store)
-            newest = lambda: (store.latest(), store.path_for(store.latest()))  # noqa: E731
+            newest = lambda: (store.latest(), store.path_for(store.latest()))
         self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), newest,
                                     self.rollout.partial_chunk_tokens if self.rollout.partial_rollout else 0)
 

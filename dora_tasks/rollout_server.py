@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -111,7 +111,7 @@ class RolloutServer:
                 batch = self._take_batch()
             try:
                 self._serve(batch)
-            except BaseException as exc:  # hand the error to every waiting task
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting task, which re-raises it
                 for r in batch:
                     if not r.done.is_set():
                         r.error = exc

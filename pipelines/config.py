@@ -100,8 +100,9 @@ class RolloutConfig:
 class TrainConfig:
     engine: str = "torch"  # "torch" (plain, fallback) or "deepspeed"
     zero_stage: int = 0
-    advantage: str = "grpo"  # name in dora_tasks.algorithms registry
-    loss: str = "ppo_clip"  # name in dora_tasks.algorithms registry
+    advantage: str = "grpo"  # estimator name in the dora_tasks.algorithms registry (checked at load; custom ones
+    #                          must be registered, i.e. their module imported, before the config is loaded)
+    loss: str = "ppo_clip"  # policy-loss name in the dora_tasks.algorithms registry (checked at load likewise)
     lr: float = 1e-3
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
@@ -115,6 +116,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         _choice(self.engine, "train.engine", ("torch", "deepspeed"))
+        from dora_tasks.algorithms import advantage_names, loss_names  # lazy: the registry imports torch
+
+        _choice(self.advantage, "train.advantage", tuple(advantage_names()))
+        _choice(self.loss, "train.loss", tuple(loss_names()))
         _choice(self.loss_agg, "train.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
         _require(self.loss_norm_len >= 0, "train.loss_norm_len", f"must be >= 0, got {self.loss_norm_len}")
         _require(self.importance_cap >= 1, "train.importance_cap", f"must be >= 1, got {self.importance_cap}")

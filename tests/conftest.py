@@ -17,7 +17,7 @@ from pipelines.config import Config, load_config  # noqa: E402
 torch.set_num_threads(1)
 
 SMALL_RUN = [
-    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.warmstart_steps=150",
+    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.warmstart_steps=150",
     "task.max_count=200", "task.num_prompts=512", "task.eval_prompts=16",
     "rollout.instances=2", "rollout.slots=1", "rollout.group_size=4", "rollout.max_new_tokens=96",
     "dora.train_batch_size=4", "dora.rollout_batch_size=8", "dora.num_updates=6",

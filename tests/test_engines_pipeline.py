@@ -34,7 +34,8 @@ def engines_test(test):
 K, UPDATES = 1, 4
 ENGINES = ["rollout.engine=vllm", "train.engine=deepspeed", "train.zero_stage=2", "model.num_heads=2",
            f"dora.max_staleness={K}", f"dora.num_updates={UPDATES}", f"storage.keep_versions={UPDATES + 1}"]
-AGREEMENT_TOLERANCE = 1e-3  # fp32 on both sides; measured ~1e-6 (see the test's printout)
+AGREEMENT_TOLERANCE = 1e-3  # fp32 on both sides; measured <= 1.2e-5 (see the test's printout)
+SAMPLE_PER_VERSION = 16  # consumed trajectories checked per version
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
@@ -62,19 +63,26 @@ def run_cache():
 
 
 def engines_run(small_config, run_cache):
-    """Run the vLLM + DeepSpeed pipeline once per module; returns (cfg, summary, worker reports, wall seconds)."""
+    """Run the vLLM + DeepSpeed pipeline once per module; returns (cfg, summary, worker reports). A failed run is
+    not repeated by the next test."""
+    if "error" in run_cache:
+        pytest.fail(f"the shared vLLM + DeepSpeed run failed: {run_cache['error']!r}")
     if "summary" not in run_cache:
         from pipelines.run import open_run
         from pipelines.streaming import stream
 
         cfg = small_config(*ENGINES)
         start = time.perf_counter()
-        with open_run(cfg) as run:
-            stream(run.driver, run)
-            summary = run.finish()
-            reports = list(run.driver.client.run(_worker_report).values())
-        run_cache.update(cfg=cfg, summary=summary, reports=reports, seconds=time.perf_counter() - start)
-        print(f"\nvLLM + DeepSpeed run: {run_cache['seconds']:.1f} s (open_run to close), "
+        try:
+            with open_run(cfg) as run:
+                stream(run.driver, run)
+                summary = run.finish()
+                reports = list(run.driver.client.run(_worker_report).values())
+        except BaseException as exc:
+            run_cache["error"] = exc
+            raise
+        run_cache.update(cfg=cfg, summary=summary, reports=reports)
+        print(f"\nvLLM + DeepSpeed run: {time.perf_counter() - start:.1f} s (open_run to close), "
               f"streaming {summary.metrics['wall_s']:.1f} s")
     return run_cache["cfg"], run_cache["summary"], run_cache["reports"]
 
@@ -105,7 +113,6 @@ def test_vllm_deepspeed_pipeline_audits_clean_and_syncs_weights(small_config, ru
     updates = store.read_table("updates")
     sync = updates["metrics/weight_sync_s"]
     assert len(sync) == UPDATES and np.all(np.isfinite(sync)) and np.all(sync > 0), sync
-    np.testing.assert_allclose(sync, updates["publish_seconds"])
     loads = {}  # version -> load seconds on each instance that loaded it
     for r in rollout:
         for version, start, end in r["loads"]:
@@ -146,21 +153,20 @@ def test_behaviour_logprobs_match_the_published_weights_of_their_version(small_c
 
     cfg, summary, _ = engines_run(small_config, run_cache)
     store = TrajectoryStore.open(summary.store)
-    table = store.read_table("trajectories", ["version", "response_len"])
+    table = store.read_table("trajectories", ["version", "prompt_len", "response_len"])
     weights = WeightStore(cfg.storage.resolved("weight_store"))
     rng = np.random.default_rng(0)
     errors: dict[int, float] = {}
     checked = 0
     for version in sorted(set(table["version"].tolist())):
         rows = np.flatnonzero((table["version"] == version) & (table["response_len"] > 0))
-        rows = rng.choice(rows, size=min(6, len(rows)), replace=False)
+        rows = np.sort(rng.choice(rows, size=min(SAMPLE_PER_VERSION, len(rows)), replace=False))
         assert version in weights.versions(), f"version {version} was not kept: raise storage.keep_versions"
         model = AutoModelForCausalLM.from_pretrained(weights.path_for(version), dtype=torch.float32).eval()
         tokens = store.read_ragged("tokens", rows)
         behaviour = store.read_ragged("behaviour_logprobs", rows)
         token_versions = store.read_ragged("token_versions", rows)
-        prompt_lens = store.read_table("trajectories", ["prompt_len"])["prompt_len"][rows]
-        for toks, logp, tv, plen in zip(tokens, behaviour, token_versions, prompt_lens):
+        for toks, logp, tv, plen in zip(tokens, behaviour, token_versions, table["prompt_len"][rows]):
             assert (tv == version).all()
             recomputed = recompute_logprobs(model, toks[:plen], toks[plen:], cfg.rollout.temperature)
             errors[version] = max(errors.get(version, 0.0), float(np.abs(recomputed - logp).max()))
@@ -219,9 +225,11 @@ def test_preflight_refuses_zero_stage_5(small_config, no_cluster):
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_preflight_refuses_a_1kib_kv_cache(small_config, tmp_path, no_cluster):
-    from dora_tasks.engines.vllm_rollout import min_kv_cache_bytes
+    from transformers import Qwen2Config
+
     from dora_tasks.engines.preflight import warm_start_shape
-    from dora_tasks.model import CharTokenizer, build_model
+    from dora_tasks.engines.vllm_rollout import min_kv_cache_bytes
+    from dora_tasks.model import MAX_POSITIONS
 
     cfg = small_config("rollout.engine=vllm", "model.num_heads=2", "rollout.kv_cache_bytes=1024")
     needed = min_kv_cache_bytes(warm_start_shape(cfg), 1024)
@@ -230,7 +238,8 @@ def test_preflight_refuses_a_1kib_kv_cache(small_config, tmp_path, no_cluster):
     with pytest.raises(EngineConfigError, match=message):  # warm start ahead: the shape comes from cfg.model
         check_engines(cfg, None)
     folder = str(tmp_path / "model")  # a model folder: the shape comes from its config.json
-    build_model(cfg.model, CharTokenizer().vocab_size).save_pretrained(folder)
+    Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                max_position_embeddings=MAX_POSITIONS).save_pretrained(folder)
     with pytest.raises(EngineConfigError, match=message):
         check_engines(cfg, folder)
     run_until_refused(cfg, EngineConfigError, message)
@@ -249,8 +258,31 @@ def test_preflight_refuses_what_vllm_cannot_run(small_config, monkeypatch):
     check_engines(small_config("rollout.engine=vllm", "cluster.scheduler_address=tcp://10.0.0.1:8786"), None)
 
 
+def test_preflight_checks_a_gpu_model_against_its_context_length(tmp_path):
+    """configs/gpu_qwen_math.yaml's model shape (Qwen2.5-Math-1.5B: 28 layers, 2 kv heads of 128, 4096 positions),
+    read from its config.json alone; on an attached cluster only the model-shape checks apply."""
+    from transformers import Qwen2Config
+
+    from dora_tasks.records import Prompt
+    from pipelines.config import load_config
+
+    Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                tie_word_embeddings=True).save_pretrained(tmp_path)
+    gpu = ["configs/gpu_qwen_math.yaml", [f"model.path={tmp_path}"]]
+    cfg = load_config(gpu[0], gpu[1] + ["rollout.max_new_tokens=3072"])
+    check_engines(cfg, str(tmp_path), prompts=[Prompt(0, "q", "a", tuple(range(1024)))])
+    with pytest.raises(EngineConfigError, match=r"rollout\.max_new_tokens=3072 \+ the longest prompt \(1100 tokens"):
+        check_engines(cfg, str(tmp_path), prompts=[Prompt(0, "q", "a", tuple(range(1100)))])
+    with pytest.raises(EngineConfigError, match=r"rollout\.max_new_tokens=8192 leaves no room for a prompt: .*=4096"):
+        check_engines(load_config(gpu[0], gpu[1] + ["rollout.max_new_tokens=8192"]), str(tmp_path))
+    with pytest.raises(EngineConfigError, match=r"rollout\.kv_cache_bytes=1024 is too small: .* at least 242221056"):
+        check_engines(load_config(gpu[0], gpu[1] + ["rollout.kv_cache_bytes=1024", "rollout.max_new_tokens=3072"]),
+                      str(tmp_path))
+
+
 def test_preflight_names_a_missing_package(small_config, monkeypatch):
-    import dora_tasks.engines.preflight as preflight
+    from dora_tasks.engines import preflight
 
     real = importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec",

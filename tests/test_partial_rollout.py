@@ -159,8 +159,8 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
 
-    # K=1: the groups of version u+1 roll out while update u runs. Temperature 2 makes the policy ramble to the
-    # 192-token budget (12 chunks of 16), so every publish lands in the middle of running responses.
+    # K=1: the groups of version u+1 roll out while update u runs. Temperature 2 makes the policy ramble to its
+    # rollout.max_new_tokens budget (several chunks of 16), so publishes land in the middle of running responses.
     settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.partial_chunk_tokens=16",
                 "rollout.temperature=2.0"]
     # the client's periodic scheduler-info refresh races with labelled_workers (docs/benchmark.md)

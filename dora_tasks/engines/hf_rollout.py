@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_model(cls, model: transformers.PreTrainedModel, rollout_cfg: RolloutConfig, version: int = 0, *,
-                   do_sample: bool = True, max_batch: int = 256) -> "HFRolloutEngine":
+                   do_sample: bool = True, max_batch: int = 256) -> HFRolloutEngine:
         """Serve an in-memory model (shared, not copied): for evaluation during warm start and for tests."""
         engine = cls.__new__(cls)
         engine._init(model, rollout_cfg, version, do_sample, max_batch)
@@ -105,7 +105,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @staticmethod
     def _generation_config(cfg: RolloutConfig, do_sample: bool) -> transformers.GenerationConfig:
-        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0) if do_sample else {}
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0} if do_sample else {}
         return transformers.GenerationConfig(
             do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
             return_dict_in_generate=True, output_scores=True, **sampling)

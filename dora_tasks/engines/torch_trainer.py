@@ -14,8 +14,15 @@ import torch
 
 from dora_tasks.algorithms.objective import batch_tensors, policy_objective
 from dora_tasks.contracts import TrainEngine
-from dora_tasks.engines.hf_io import (Stopwatch, batch_summary, check_train_config, default_device,
-                                      empty_update_metrics, load_policy, write_hf_folder)
+from dora_tasks.engines.hf_io import (
+    Stopwatch,
+    batch_summary,
+    check_train_config,
+    default_device,
+    empty_update_metrics,
+    load_policy,
+    write_hf_folder,
+)
 from dora_tasks.records import TrainBatch
 
 CHECKPOINT_FILE = "trainer.pt"

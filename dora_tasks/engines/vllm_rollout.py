@@ -41,8 +41,8 @@ import math
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
