@@ -248,7 +248,7 @@ def test_preflight_refuses_a_1kib_kv_cache(small_config, tmp_path, no_cluster):
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_preflight_refuses_what_vllm_cannot_run(small_config, monkeypatch):
     with pytest.raises(EngineConfigError, match=r"head_dim=16 \(model\.hidden_size / model\.num_heads\)"):
-        check_engines(small_config("rollout.engine=vllm"), None)  # hidden 64 / 4 heads
+        check_engines(small_config("rollout.engine=vllm", "model.num_heads=4"), None)  # hidden 64 / 4 heads
     with pytest.raises(EngineConfigError, match=r"cluster\.worker_memory=1GiB is too small"):
         check_engines(small_config("rollout.engine=vllm", "model.num_heads=2", "cluster.worker_memory=1GiB"), None)
     with pytest.raises(EngineConfigError, match=r"rollout\.max_new_tokens=1024 leaves no room"):
