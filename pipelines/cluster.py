@@ -66,8 +66,10 @@ def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
 
 
 def labelled_workers(client: Client) -> Workers:
+    """The connected workers by label, asked of the scheduler itself (`client.scheduler_info()` is a cache that the
+    client refreshes in the background and can read empty for a moment: every instance would look lost)."""
     rollout, trainer, cpu = {}, [], []
-    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for address, info in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items():
         res = info.get("resources", {})
         if "ROLLOUT" in res and "GPU" in res:
             rollout[address] = int(res["ROLLOUT"])

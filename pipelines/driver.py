@@ -82,10 +82,15 @@ class Driver:
     live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
+    _synced: float = 0.0
 
     # ---- cluster membership --------------------------------------------------------------------------------------
-    def sync_instances(self) -> None:
-        """Follow rollout instances joining and leaving (a killed worker comes back under a new address)."""
+    def sync_instances(self, every_s: float = 1.0) -> None:
+        """Follow rollout instances joining and leaving (a killed worker comes back under a new address).
+        Asks the scheduler at most every `every_s` seconds."""
+        if time.time() - self._synced < every_s:
+            return
+        self._synced = time.time()
         current = labelled_workers(self.client).rollout
         for address in list(self.orchestrator.instances):
             if address not in current:

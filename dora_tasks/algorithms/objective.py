@@ -92,11 +92,15 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
 
 
 def micro_batches(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
-    """Consecutive slices of `size` trajectories, each trimmed to its longest row (rows are right-padded)."""
+    """Slices of `size` trajectories after sorting them by length, each trimmed to its longest row (rows are
+    right-padded). Sorting puts similar lengths together (less padding on a long-tailed batch); the loss sums over
+    micro-batches with whole-batch normalisers, so the order of rows does not change it."""
     rows = tensors["input_ids"].shape[0]
+    order = torch.argsort(tensors["attention_mask"].sum(-1), descending=True, stable=True)
     chunks = []
     for start in range(0, rows, size):
-        chunk = {k: v[start:start + size] for k, v in tensors.items()}
+        index = order[start:start + size]
+        chunk = {k: v.index_select(0, index) for k, v in tensors.items()}
         width = int(chunk["attention_mask"].sum(-1).max())
         chunks.append({k: (v[:, :width] if v.dim() == 2 else v) for k, v in chunk.items()})
     return chunks
