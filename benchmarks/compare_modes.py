@@ -8,7 +8,7 @@ by every mode, so no mode pays or dodges worker start-up) and the same number of
     sync K=0 | one-step off-policy K=1 | partial rollout K=1 | DORA K=2 | DORA K=3 | [TRL GRPO, --with-trl]
 
 and prints ONE table (written to `<out>/compare_modes.md` and `.json`): throughput, step time, rollout bubble,
-trainer bubble, non-overlapped rollout share (definitions: /work/shared/design.md, Metrics; code:
+trainer bubble, non-overlapped rollout share (definitions and code:
 `pipelines/metrics.py`), max staleness and C1 violations (from the audit of each run's store), held-out accuracy
 (initial -> final, the pipeline's own greedy evaluation), wall time to the target accuracy, and speed-up over K=0.
 It also prints the answer-length tail of the consumed trajectories (p99/median) and a profile of where a step's time
