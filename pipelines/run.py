@@ -52,11 +52,13 @@ class RunSummary:
     audit_ok: bool
     audit_text: str
     plots: list[str] = field(default_factory=list)
+    ui_command: str = ""
 
     def to_text(self) -> str:
         acc = " ".join(f"v{v}={a:.3f}" for v, a in sorted(self.accuracy.items()))
         lines = [f"run folder:       {self.run_dir}", f"trajectory store: {self.store}",
                  f"MLflow:           {self.tracking_uri} (run {self.mlflow_run_id})",
+                 f"MLflow UI:        {self.ui_command}",
                  f"held-out accuracy: {acc}"]
         lines += [f"{k}: {v:.4g}" for k, v in self.metrics.items()]
         lines += [f"plots: {', '.join(self.plots)}", "audit: " + ("PASS" if self.audit_ok else "FAIL"), self.audit_text]
@@ -148,7 +150,8 @@ class Run:
         for path in plots:
             self.tracker.log_artifact(path, "plots")
         return RunSummary(cfg.storage.run_dir, cfg.storage.resolved("trajectory_store"), self.tracker.tracking_uri,
-                          self.tracker.run_id, metrics, dict(d.accuracy), report.ok, report.to_text(), plots)
+                          self.tracker.run_id, metrics, dict(d.accuracy), report.ok, report.to_text(), plots,
+                          self.tracker.ui_command())
 
     def _plots(self) -> list[str]:
         if not self.cfg.tracking.plots:
