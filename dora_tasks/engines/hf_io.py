@@ -95,3 +95,17 @@ class Stopwatch:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+def timed_train_step(batch: TrainBatch, advantage: str, update) -> dict[str, float]:
+    """The engines' shared `train_step` body: tensors, batch summary, `update(tensors)` when there are response
+    tokens to learn from, and the seconds it all took."""
+    from dora_tasks.algorithms.objective import batch_tensors
+
+    clock = Stopwatch()
+    tensors = batch_tensors(batch, advantage=advantage)
+    metrics = {**batch_summary(batch, tensors), **empty_update_metrics()}
+    if metrics["response_tokens"] > 0:
+        metrics.update(update(tensors))
+    metrics["seconds"] = clock.seconds()
+    return metrics

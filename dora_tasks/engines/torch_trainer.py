@@ -12,15 +12,13 @@ import os
 
 import torch
 
-from dora_tasks.algorithms.objective import batch_tensors, policy_objective
+from dora_tasks.algorithms.objective import policy_objective
 from dora_tasks.contracts import TrainEngine
 from dora_tasks.engines.hf_io import (
-    Stopwatch,
-    batch_summary,
     check_train_config,
     default_device,
-    empty_update_metrics,
     load_policy,
+    timed_train_step,
     write_hf_folder,
 )
 from dora_tasks.records import TrainBatch
@@ -43,13 +41,8 @@ class TorchTrainEngine(TrainEngine):
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
-        clock = Stopwatch()
-        tensors = batch_tensors(batch, advantage=self.cfg.advantage)
-        metrics = {**batch_summary(batch, tensors), **empty_update_metrics()}
-        if metrics["response_tokens"] > 0:
-            metrics.update(self._update(tensors))
+        metrics = timed_train_step(batch, self.cfg.advantage, self._update)
         self.version += 1
-        metrics["seconds"] = clock.seconds()
         return metrics
 
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
