@@ -17,10 +17,17 @@ def consumed_table(summary):
     return TrajectoryStore.open(summary.store).read_table("trajectories")
 
 
+# Two versions are live at once only while rollout is the bottleneck: an instance still generates a group of the old
+# version when the other one starts on the new version. With the test's tiny policy a group takes ~0.05 s, close to
+# an update's round trip, so a given publish overlaps old work with probability ~0.3-0.5 (measured, K=1 and K=3);
+# 8 groups per update and 12 updates give 11 publishes, enough to see it in every run, not by luck of one publish.
+CONSTRAINT_RUN = ["dora.train_batch_size=8", "dora.rollout_batch_size=16", "dora.num_updates=12"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("K", [0, 1, 3])
 def test_streaming_run_keeps_all_three_constraints(small_config, K):
-    cfg = small_config(f"dora.max_staleness={K}")
+    cfg = small_config(*CONSTRAINT_RUN, f"dora.max_staleness={K}")
     summary = run_pipeline(cfg)
     report = audit_store(summary.store, K)
     assert report.ok, report.to_text()
