@@ -19,9 +19,16 @@ class RolloutEngine(ABC):
     def load_version(self, version: int, weights_path: str) -> None:
         """Load the weights of `version` from the weight store in place; afterwards `self.version == version`."""
 
+    @property
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int) -> list[list[Generation]]:
-        """Sample `n` responses per prompt with the current version; one list of `n` generations per prompt."""
+    def max_new_tokens(self) -> int:
+        """The response budget of one generation (`rollout.max_new_tokens`)."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
+                 max_new_tokens: int | None = None) -> list[list[Generation]]:
+        """Sample `n` responses per prompt with the current version; one list of `n` generations per prompt.
+        `max_new_tokens` caps this call (a chunk of a longer response); default: the engine's budget."""
 
 
 class TrainEngine(ABC):

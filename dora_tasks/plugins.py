@@ -54,7 +54,7 @@ class RolloutPlugin(WorkerPlugin):
             store = WeightStore(self.weight_store)
             newest = lambda: (store.latest(), store.path_for(store.latest()))
         self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), newest,
-                                    self.rollout.partial_chunk_tokens if self.rollout.partial_rollout else 0)
+                                    self.rollout.chunk_tokens)
 
     def teardown(self, worker) -> None:
         if getattr(self, "server", None) is not None:

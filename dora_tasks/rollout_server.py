@@ -8,18 +8,30 @@ Version switches happen only between batches and only when no request of the loa
 token of a group comes from one version (C1). The orchestrator sends an instance only work of the version it assigned,
 so a switch is the instance moving to a newer version (or to an older one to restart a group whose instance died).
 
-Partial-rollout baseline (``rollout.partial_rollout``, comparison only, never the default): generation proceeds in
-chunks of ``partial_chunk_tokens`` and the newest published version is loaded between chunks, as AReaL/slime-style
-partial rollout does. In-flight responses continue across the weight update: each chunk is generated from the prompt
-plus the tokens so far under the weights loaded at that moment (the KV cache is recomputed with the new weights, as
-AReaL's interruptible generation does), so every token's log-prob and version are those of the version that produced
-it, and a trajectory's per-token versions record the mix (C1 is broken on purpose; the audit reports it and the gate,
-with ``allow_mixed_versions``, lets the run finish). Between chunks, finished groups are handed back at once and newly
-arrived requests (of any dispatch version: the instance serves the newest) join, a chunk-granular continuous batching.
-A response ends at its first eos (kept) or when its total budget ``max_new_tokens`` is spent (unfinished). The group's
-dispatch version is still what the orchestrator, the capacity rule and the gate count.
-Simplified: outside the partial baseline, batches are static (a batch ends when its longest response ends); vLLM's
-own continuous batching is used only inside one batch.
+Batching (``rollout.chunk_tokens``):
+
+* ``0``, static batches: a batch is every waiting request of one version, generated in one call; requests that arrive
+  meanwhile wait until its longest response ends.
+* ``> 0``, continuous batching at chunk granularity: generation proceeds in chunks of ``chunk_tokens`` tokens; between
+  chunks, requests whose responses all ended are handed back at once and newly arrived requests **of the loaded
+  version** join. A response that continues into the next chunk is re-encoded from its prompt plus the tokens so far
+  by the same weights (on the transformers engine there is no KV-cache reuse across chunks; vLLM's prefix cache
+  keeps the re-encode cheap). The loaded version never changes while a response is active, so C1 holds; a request
+  of another version waits until the active ones have drained. A long response therefore no longer holds back
+  the groups queued behind it: they are decoded in the same steps, which is what keeps an instance's batch full
+  under a long-tailed length distribution.
+
+Partial-rollout baseline (``rollout.partial_rollout``, comparison only, never the default): the same chunked loop,
+but the newest published version is loaded between chunks, as AReaL/slime-style partial rollout does, and waiting
+requests of any dispatch version join (the instance serves the newest). In-flight responses continue across the
+weight update: each chunk is generated from the prompt plus the tokens so far under the weights loaded at that moment
+(the KV cache is recomputed with the new weights, as AReaL's interruptible generation does), so every token's
+log-prob and version are those of the version that produced it, and a trajectory's per-token versions record the
+mix (C1 is broken on purpose; the audit reports it and the gate, with ``allow_mixed_versions``, lets the run finish).
+The group's dispatch version is still what the orchestrator, the capacity rule and the gate count.
+
+In both chunked modes a response ends at its first eos (kept) or when its total budget ``max_new_tokens`` is spent
+(unfinished).
 """
 from __future__ import annotations
 
@@ -58,11 +70,16 @@ class BusyLog:
 
 class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], newest_weights: Callable[[], tuple[int, str]] | None = None,
-                 partial_chunk_tokens: int = 0):
+                 chunk_tokens: int = 0):
+        """`chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches).
+        `newest_weights` given (with `chunk_tokens` > 0): the partial-rollout baseline, which loads the newest
+        published version between chunks."""
+        if newest_weights is not None and chunk_tokens < 1:
+            raise ValueError("the partial-rollout baseline needs chunk_tokens >= 1")
         self._make_engine = make_engine
         self._newest_weights = newest_weights  # partial-rollout baseline only
-        self._chunk = partial_chunk_tokens
-        self._partial = bool(partial_chunk_tokens) and newest_weights is not None
+        self._chunk = chunk_tokens
+        self._partial = newest_weights is not None
         self._engine: RolloutEngine | None = None
         self._waiting: list[_Request] = []
         self._cond = threading.Condition()
@@ -118,14 +135,17 @@ class RolloutServer:
                         r.done.set()
 
     def _take_batch(self) -> list[_Request]:
-        """All waiting requests of the loaded version; if there are none, those of the oldest waiting request.
-        Partial-rollout baseline: every waiting request (the instance serves the newest version whatever the
-        request's dispatch version)."""
+        """All waiting requests of the loaded version; if there are none, those of the oldest waiting request."""
+        loaded = self.version
+        version = loaded if any(r.version == loaded for r in self._waiting) else self._waiting[0].version
+        return self._take_joiners(version)
+
+    def _take_joiners(self, version: int) -> list[_Request]:
+        """Waiting requests that may join a batch serving `version` (call with the lock held). Partial-rollout
+        baseline: every waiting request (the instance serves the newest version whatever the dispatch version)."""
         if self._partial:
             batch, self._waiting = self._waiting, []
             return batch
-        loaded = self.version
-        version = loaded if any(r.version == loaded for r in self._waiting) else self._waiting[0].version
         batch = [r for r in self._waiting if r.version == version]
         self._waiting = [r for r in self._waiting if r.version != version]
         return batch
@@ -140,8 +160,8 @@ class RolloutServer:
         return self._engine
 
     def _serve(self, batch: list[_Request]) -> None:
-        if self._partial:
-            self._serve_partial(batch)
+        if self._chunk:
+            self._serve_chunked(batch)
             return
         engine = self._ensure(batch[0].version, batch[0].weights_path)
         start = time.time()
@@ -151,12 +171,12 @@ class RolloutServer:
             request.result = gens
             request.done.set()
 
-    # ---- partial-rollout baseline (comparison only) ----------------------------------------------------------------
-    def _serve_partial(self, batch: list[_Request]) -> None:
-        """Continue unfinished responses across weight updates, chunk by chunk, until every request is answered.
+    # ---- continuous batching in chunks (and the partial-rollout baseline) -----------------------------------------
+    def _serve_chunked(self, batch: list[_Request]) -> None:
+        """Generate chunk by chunk until every request of the batch, and of those that joined it, is answered.
 
-        Each turn: load the newest published version (never older than a request's dispatch version), let waiting
-        requests join, generate one chunk for every live response, hand back the requests whose responses all ended.
+        Each turn: load the batch's version (partial baseline: the newest published one), let waiting requests join,
+        generate one chunk for every live response, hand back the requests whose responses all ended.
         """
         active: list[tuple[_Request, list[_Partial]]] = []
         pending = list(batch)
@@ -165,7 +185,9 @@ class RolloutServer:
             while pending or active:
                 active += [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
                 pending = []
-                engine = self._load_newest([r for r, _ in active])
+                requests = [r for r, _ in active]
+                engine = (self._load_newest(requests) if self._partial
+                          else self._ensure(requests[0].version, requests[0].weights_path))
                 budget = engine.max_new_tokens
                 live = [s for _, states in active for s in states if not s.done(budget)]
                 if live:
@@ -186,7 +208,7 @@ class RolloutServer:
                         still.append((request, states))
                 active = still
                 with self._cond:  # requests that arrived during the chunk join the next one
-                    pending, self._waiting = self._waiting, []
+                    pending = self._take_joiners(self.version)
         except BaseException as exc:
             for request in [r for r, _ in active] + pending:
                 request.error = exc
@@ -212,7 +234,7 @@ class RolloutServer:
 
 @dataclass
 class _Partial:
-    """One response of the partial-rollout baseline, grown chunk by chunk (possibly under several versions)."""
+    """One response grown chunk by chunk (under one version, or several in the partial-rollout baseline)."""
 
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)

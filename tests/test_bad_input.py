@@ -21,10 +21,12 @@ from dora_tasks.workloads.datasets import DatasetError
     ("rollout.engine=sglang", "rollout.engine"),
     ("train.zero_stage=5", "train.zero_stage"),
     ("model.path=/nonexistent/model", "model.path"),
+    ("rollout.chunk_tokens=-4", "rollout.chunk_tokens"),
+    ("rollout.partial_rollout=true rollout.chunk_tokens=0", "rollout.chunk_tokens"),
 ])
 def test_config_errors_name_the_key(override, named):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert named in str(err.value)
 
 

@@ -1,9 +1,11 @@
-"""The partial-rollout baseline (comparison only): responses continue across weight updates, chunk by chunk.
+"""Chunked rollout: continuous batching (one version per instance, C1 kept) and the partial-rollout baseline
+(comparison only: responses continue across weight updates, chunk by chunk).
 
-Fast tests drive `RolloutServer` directly: with a scripted engine (eos, budget, early hand-back, joining, never
-loading an older version) and with the real transformers engine on two tiny random policies (every token's log-prob
-is the one of the version that produced it). The slow test runs the pipeline twice at the same settings on one
-cluster: the partial run finishes although its audit reports C1 violations, the normal run has none.
+Fast tests drive `RolloutServer` directly: with a scripted engine (eos, budget, early hand-back, joining, a request of
+another version waiting for the batch to drain, never loading an older version in the baseline) and with the real
+transformers engine on tiny random policies (every token's log-prob is the one of the version that produced it).
+The slow test runs the pipeline twice at the same chunked settings on one cluster: the partial run finishes
+although its audit reports C1 violations, the continuously batched run has none.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class ScriptedEngine(RolloutEngine):
 
     def generate(self, prompts, n, seed, *, max_new_tokens=None):
         assert n == 1
+        max_new_tokens = self.budget if max_new_tokens is None else max_new_tokens
         self.calls.append(len(prompts))
         time.sleep(self.chunk_seconds)
         out = []
@@ -73,7 +76,7 @@ def test_partial_rollout_eos_budget_versions_and_early_hand_back():
         published["v"] += 1
         return version, f"/w/{version}"
 
-    server = RolloutServer(lambda: engine, newest, partial_chunk_tokens=4)
+    server = RolloutServer(lambda: engine, newest, chunk_tokens=4)
     results: dict = {}
     threads = [_ask(server, 0, 3, 2, results, "short"), _ask(server, 0, 7, 1, results, "middle"),
                _ask(server, 0, 50, 1, results, "long")]
@@ -99,7 +102,7 @@ def test_partial_rollout_eos_budget_versions_and_early_hand_back():
 
 def test_partial_rollout_joins_late_requests_on_the_newest_version():
     engine = ScriptedEngine(budget=12, chunk_seconds=0.1)
-    server = RolloutServer(lambda: engine, lambda: (3, "/w/3"), partial_chunk_tokens=2)
+    server = RolloutServer(lambda: engine, lambda: (3, "/w/3"), chunk_tokens=2)
     results: dict = {}
     first = _ask(server, 2, 12, 1, results, "first")
     time.sleep(0.15)
@@ -130,7 +133,7 @@ def test_partial_rollout_logprobs_are_those_of_the_producing_version(tmp_path):
         return (0, paths[0]) if calls["n"] == 1 else (1, paths[1])
 
     server = RolloutServer(lambda: HFRolloutEngine(paths[0], rollout_cfg, version=0, threads=None), newest,
-                           partial_chunk_tokens=6)
+                           chunk_tokens=6)
     prompt = [1] + tokenizer.encode("count 42 step 10:")
     gens = server.generate(0, paths[0], prompt, 3, seed=7)
     server.close()
@@ -151,6 +154,64 @@ def test_partial_rollout_logprobs_are_those_of_the_producing_version(tmp_path):
     assert mixed > 0  # a random policy rarely says eos within 6 tokens
 
 
+def test_continuous_batching_joins_same_version_requests_and_keeps_one_version():
+    engine = ScriptedEngine(budget=40, chunk_seconds=0.05)
+    server = RolloutServer(lambda: engine, chunk_tokens=4)
+    results: dict = {}
+    long_ = _ask(server, 0, 30, 2, results, "long")
+    time.sleep(0.12)
+    late = _ask(server, 0, 3, 1, results, "late")  # same version: joins the running batch
+    other = _ask(server, 1, 3, 1, results, "other")  # another version: waits until version 0 has drained
+    for t in (long_, late, other):
+        t.join(10)
+    server.close()
+    assert results["late"][1] < results["long"][1] < results["other"][1]
+    for g in results["long"][0]:  # 30 tokens over 8 chunks, all of version 0, ending at eos
+        assert len(g.token_ids) == 30 and g.finished and set(g.versions.tolist()) == {0}
+    assert results["late"][0][0].versions.tolist() == [0, 0, 0]
+    assert results["other"][0][0].versions.tolist() == [1, 1, 1]
+    np.testing.assert_array_equal(results["other"][0][0].logprobs, -2.0)
+    assert [v for v, _, _ in server.loads] == [1]  # loaded only after the version-0 batch had drained
+    assert 3 in engine.calls  # the late request shared chunks with the two long responses
+    assert all(rows <= 3 for rows in engine.calls)
+
+
+def test_static_batches_make_a_late_request_wait_for_the_longest_response():
+    engine = ScriptedEngine(budget=40, chunk_seconds=0.05)
+    server = RolloutServer(lambda: engine)
+    results: dict = {}
+    long_ = _ask(server, 0, 30, 1, results, "long")
+    time.sleep(0.02)
+    late = _ask(server, 0, 3, 1, results, "late")
+    for t in (long_, late):
+        t.join(10)
+    server.close()
+    assert results["late"][1] > results["long"][1]  # one call per batch: the late request waited for it
+    assert engine.calls == [1, 1]
+
+
+def test_continuous_batching_logprobs_match_a_recompute_of_the_one_version(tmp_path):
+    tokenizer = CharTokenizer()
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
+    path = save_policy(build_model(cfg, tokenizer.vocab_size, seed=3), tokenizer, str(tmp_path / "v0"))
+    model = build_model(cfg, tokenizer.vocab_size, seed=3)
+    from dora_tasks.engines.hf_rollout import HFRolloutEngine
+
+    engine = HFRolloutEngine(path, RolloutConfig(max_new_tokens=20), version=0, threads=None)
+    server = RolloutServer(lambda: engine, chunk_tokens=5)
+    prompt = [1] + tokenizer.encode("count 42 step 10:")
+    gens = server.generate(0, path, prompt, 4, seed=11)
+    server.close()
+    assert any(len(g.token_ids) > 5 for g in gens)  # a random policy rambles past the first chunk
+    for g in gens:
+        assert set(g.versions.tolist()) == {0} and EOS_ID not in g.token_ids[:-1].tolist()
+        ids = torch.tensor([prompt + g.token_ids.tolist()])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1], -1)
+        expected = logp.gather(-1, torch.as_tensor(g.token_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(g.logprobs, expected, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none(small_config, tmp_path):
     import dask
@@ -161,7 +222,7 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
 
     # K=1: the groups of version u+1 roll out while update u runs. Temperature 2 makes the policy ramble to its
     # rollout.max_new_tokens budget (several chunks of 16), so publishes land in the middle of running responses.
-    settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.partial_chunk_tokens=16",
+    settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.chunk_tokens=16",
                 "rollout.temperature=2.0"]
     # the client's periodic scheduler-info refresh races with labelled_workers (docs/benchmark.md)
     with dask.config.set({"distributed.client.scheduler-info-interval": "1h"}):

@@ -189,36 +189,42 @@ class VLLMRolloutEngine(RolloutEngine):
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker swaps in a no-op, for thread binding we lack
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int) -> list[list[Generation]]:
+    @property
+    def max_new_tokens(self) -> int:
+        return self.rollout_cfg.max_new_tokens
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
+                 max_new_tokens: int | None = None) -> list[list[Generation]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         token_prompts = [[int(t) for t in p] for p in prompts]
+        max_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         for index, prompt in enumerate(token_prompts):
-            self._check_prompt(index, prompt)
+            self._check_prompt(index, prompt, max_tokens)
         if not token_prompts:
             return []
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=p) for p in token_prompts]
-        params = [self._sampling_params(n, s) for s in per_prompt_seeds(seed, len(token_prompts))]
+        params = [self._sampling_params(n, s, max_tokens) for s in per_prompt_seeds(seed, len(token_prompts))]
         with _VLLM_CALLS:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [[self._to_generation(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
-    def _check_prompt(self, index: int, prompt: list[int]) -> None:
+    def _check_prompt(self, index: int, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
             raise ValueError(f"prompt {index} is empty: a prompt needs at least its bos token")
         if min(prompt) < 0 or max(prompt) >= self.shape.vocab_size:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.shape.vocab_size})")
-        if len(prompt) + self.rollout_cfg.max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompt {index}: {len(prompt)} tokens + rollout.max_new_tokens="
-                             f"{self.rollout_cfg.max_new_tokens} exceed max_model_len={self.max_model_len}")
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt {index}: {len(prompt)} tokens + {max_tokens} new tokens (rollout.max_new_tokens="
+                             f"{self.rollout_cfg.max_new_tokens}) exceed max_model_len={self.max_model_len}")
 
-    def _sampling_params(self, n: int, seed: int):
+    def _sampling_params(self, n: int, seed: int, max_tokens: int):
         from vllm import SamplingParams
 
         cfg = self.rollout_cfg
-        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+        return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens,
                               logprobs=0, seed=seed, stop_token_ids=list(self.shape.eos_ids))
 
     def _to_generation(self, completion) -> Generation:
