@@ -19,10 +19,8 @@ Accuracy over time: every mode keeps its published versions (`storage.keep_versi
 pipeline uses; each point is placed at the wall time its version was published. The target accuracy is `--target`,
 or by default the final accuracy of the synchronous run (K=0): "the same accuracy" as the baseline.
 
-Simplified, and why: one measurement per mode (no repeats: the machine is shared and a full pass is ~20 min; see
-docs/benchmark.md for the noise this leaves); the client's periodic scheduler-info refresh is switched off
-(`distributed.client.scheduler-info-interval`), because it races with `pipelines.cluster.labelled_workers` and a
-lost race reads as "every rollout instance died" (groups cancelled and re-dispatched; see docs/benchmark.md).
+Simplified, and why: few repeats per mode (`--repeats`, default 2, the second round in reverse order so that a drift
+in machine load hits every mode); docs/benchmark.md gives the noise this leaves.
 
     python benchmarks/compare_modes.py [--updates 10] [--config configs/longtail_bench.yaml]
                                        [--out benchmarks/results] [--quick] [--with-trl] [key=value ...]
@@ -477,9 +475,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    import dask
-
-    dask.config.set({"distributed.client.scheduler-info-interval": "1h"})  # see the module docstring
     from distributed import Client
 
     from pipelines.cluster import embedded_cluster

@@ -97,10 +97,13 @@ def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions:
 
 
 # ---- update and publish (trainer, label TRAINER) -----------------------------------------------------------------
-def update(batch: TrainBatch) -> UpdateResult:
-    """One policy update from version `batch.update`; the engine then holds version `batch.update + 1`."""
+def update(batch: TrainBatch, after: PublishedWeights | None = None) -> UpdateResult:
+    """One policy update from version `batch.update`; the engine then holds version `batch.update + 1`.
+    `after`: the publish of version `batch.update` (a dependency only: its weights are written before they change)."""
     from dora_tasks.plugins import trainer_plugin
 
+    if after is not None and after.version != batch.update:
+        raise RuntimeError(f"update {batch.update} queued after the publish of version {after.version}")
     engine = trainer_plugin().get_engine(batch.update)
     if engine.version != batch.update:
         raise RuntimeError(f"trainer holds version {engine.version}, update {batch.update} needs it")

@@ -82,8 +82,8 @@ class RolloutConfig:
     top_p: float = 1.0
     slots: int = 4  # groups one instance generates at once (its engine batches them)
     kv_cache_bytes: int = 64 * 2**20  # vLLM KV-cache memory; must be set on CPU
-    chunk_tokens: int = 0  # continuous batching: finished groups leave and waiting ones (same version) join every
-    #                        this many tokens; 0 = static batches (a batch runs until its longest response ends)
+    chunk_tokens: int = 16  # continuous batching: finished groups leave and waiting ones (same version) join every
+    #                         this many tokens; 0 = static batches (a batch runs until its longest response ends)
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
 
     def validate(self) -> None:
@@ -143,8 +143,12 @@ class DoraConfig:
     rollout_batch_size: int = 16  # RBS, groups kept in flight; must be >= TBS
     num_updates: int = 10
     seed: int = 0
+    update_lookahead: int = 1  # batches the gate may hand over while an update still trains, so the trainer goes
+    #                            on without a driver round trip (0 = decide each update after the previous publish;
+    #                            no effect at K=0, where update u+1's groups cannot exist before version u+1)
 
     def validate(self) -> None:
+        _require(self.update_lookahead >= 0, "dora.update_lookahead", f"must be >= 0, got {self.update_lookahead}")
         _require(self.max_staleness >= 0, "dora.max_staleness", f"K must be >= 0, got {self.max_staleness}")
         _require(self.train_batch_size >= 1, "dora.train_batch_size",
                  f"TBS must be >= 1, got {self.train_batch_size}")

@@ -12,12 +12,14 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from dora_tasks import steps
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
@@ -62,6 +64,14 @@ class InFlight:
 
 
 @dataclass
+class QueuedUpdate:
+    decision: BatchDecision
+    ready: float  # when the gate handed the batch over
+    updated: Future
+    published: Future
+
+
+@dataclass
 class Driver:
     cfg: Config
     client: Client
@@ -77,12 +87,13 @@ class Driver:
     attempts: dict[int, int] = field(default_factory=dict)
     complete: dict[int, tuple[Future, Group]] = field(default_factory=dict)
     update_futures: dict[Future, str] = field(default_factory=dict)  # publish/update/eval future -> kind
-    batch: tuple[BatchDecision, float, Future] | None = None  # running decision, ready time, update future
+    updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
     live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
     _synced: float = 0.0
+    _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
     # ---- cluster membership --------------------------------------------------------------------------------------
     def sync_instances(self, every_s: float = 1.0) -> None:
@@ -124,6 +135,7 @@ class Driver:
                                     self.cfg.train.filter_degenerate, key=("advantage", v, gid) + suffix,
                                     resources=CPU, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored])
+        self.watch(rolled, scored)
 
     def on_rolled_out(self, gid: int) -> None:
         """The instance finished generating the group: free its slot (reward and advantage run on CPU workers)."""
@@ -140,22 +152,42 @@ class Driver:
         self.complete[gid] = (future, group)
 
     # ---- update side ---------------------------------------------------------------------------------------------
+    def checkpoint_due(self, version: int) -> bool:
+        """A checkpoint is taken once `version` is published (every `storage.checkpoint_interval`, not at the end)."""
+        interval = self.cfg.storage.checkpoint_interval
+        return bool(interval) and version % interval == 0 and version < self.cfg.dora.num_updates
+
+    def may_hand_over(self) -> bool:
+        """The gate may be asked for another batch: nothing is training, or the lookahead allows one more and no
+        checkpoint (which must find the trainer between two updates) follows the last update handed over."""
+        if not self.updates:
+            return True
+        last = self.updates[-1].decision.update
+        return len(self.updates) <= self.cfg.dora.update_lookahead and not self.checkpoint_due(last + 1)
+
     def submit_update(self, decision: BatchDecision) -> None:
+        """gate(u) -> update(u) -> publish(u+1); update(u) also waits for the publish of version u, so a batch handed
+        over early trains the moment the previous update's weights are written."""
         u, c = decision.update, self.cfg
         groups = [self.complete[g][0] for g in decision.group_ids]
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, *groups, key=("gate", u), resources=CPU, pure=False)
-        updated = self.client.submit(steps.update, checked, key=("update", u), resources=TRAINER, pure=False)
+        previous = self.updates[-1].published if self.updates else None
+        updated = self.client.submit(steps.update, checked, previous, key=("update", u), resources=TRAINER,
+                                     pure=False)
         published = self.client.submit(steps.publish, updated, self.weights.root, key=("publish", u + 1),
                                        resources=TRAINER, pure=False)
-        self.batch = (decision, time.time(), updated)
+        self.updates.append(QueuedUpdate(decision, time.time(), updated, published))
         self.update_futures[published] = "publish"
+        self.watch(published)
 
     def on_published(self, future: Future) -> dict[str, float]:
-        decision, ready, updated = self.batch
+        queued = self.updates.popleft()
+        if queued.published.key != future.key:
+            raise RuntimeError(f"{future.key} finished before {queued.published.key}")
+        decision, ready = queued.decision, queued.ready
         published: PublishedWeights = future.result()
-        result: UpdateResult = updated.result()
-        self.batch = None
+        result: UpdateResult = queued.updated.result()
         now = time.time()
         groups = [self.complete.pop(g)[1] for g in decision.group_ids]
         self.gate.on_update_done(decision.update)
@@ -204,6 +236,7 @@ class Driver:
                                     self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens,
                                     self.cfg.dora.seed, key=("evaluate", version), resources=CPU, pure=False, priority=-10)
         self.update_futures[future] = f"evaluate:{version}"
+        self.watch(future)
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -218,7 +251,6 @@ class Driver:
                                           pure=False))
         if 0 not in self.accuracy and self.gate.newest == 0:
             self.submit_evaluation(0)
-        wait(futures + list(self.update_futures))
         for f in futures:
             f.result()
         for f in list(self.update_futures):
@@ -231,16 +263,23 @@ class Driver:
         rolling = [g.futures[0] for g in self.in_flight.values() if not g.rolled_out]
         return rolling + [g.futures[-1] for g in self.in_flight.values()] + list(self.update_futures)
 
+    def watch(self, *futures: Future) -> None:
+        """Queue each future when it finishes (one callback per future, instead of re-waiting on every pending
+        future at every turn of the loop: that cost grew with the groups in flight)."""
+        for future in futures:
+            future.add_done_callback(self._finished.put)
+
     def wait_any(self, timeout_s: float) -> list[Future]:
-        pending = self.pending()
-        if not pending:
-            time.sleep(timeout_s)
-            return []
+        """The pending futures that finished since the last call, after waiting up to `timeout_s` for the first.
+        Futures of groups given up on (their instance died) are dropped."""
         try:
-            done, _ = wait(pending, timeout=timeout_s, return_when="FIRST_COMPLETED")
-        except TimeoutError:
+            done = [self._finished.get(timeout=timeout_s)]
+        except queue.Empty:
             return []
-        return list(done)
+        while not self._finished.empty():
+            done.append(self._finished.get())
+        expected = {f.key for f in self.pending()}
+        return [f for f in done if f.key in expected]
 
     def note_live_versions(self) -> None:
         self.live_history.append((time.time(), tuple(self.orchestrator.live_versions())))

@@ -21,8 +21,15 @@ Rules, with `u` the next update (it starts from policy version `u` and publishes
 With K = 0 this is synchronous on-policy RL: TBS groups are dispatched on version `u`, all must finish, all are
 consumed by update `u`, and nothing newer can be dispatched before version `u + 1` exists.
 
-Simplification: the trainer runs one update at a time (update `u + 1` needs the weights of `u + 1`), so the gate
-never has two decisions outstanding.
+* Lookahead (``lookahead``, default 0): up to ``lookahead`` further batches may be decided while earlier ones are
+  still training, so the trainer starts update ``u + 1`` the moment update ``u`` ends instead of after a round trip
+  through the driver. The batch of update ``u + 1`` is chosen by the same rules with ``u + 1`` in place of ``u``,
+  from the groups not already handed to an earlier decision. It is valid before version ``u + 1`` exists because
+  update ``u``'s batch took every group of version ``<= u - K``, and new groups are dispatched on version
+  ``newest >= u + 1 - K`` when K >= 1. With K = 0 no batch can be decided early: its groups (version ``u + 1``)
+  cannot exist before ``u + 1`` is published.
+
+Simplification: updates run one at a time, in order (update `u + 1` trains the weights that update `u` produced).
 """
 from __future__ import annotations
 
@@ -51,10 +58,16 @@ class VersionGate:
     newest: int = 0  # newest published policy version
     next_update: int = 0
     dispatched_total: int = 0
-    running: BatchDecision | None = None
+    decided: list[BatchDecision] = field(default_factory=list)  # handed over, not yet done (oldest first)
     unconsumed: dict[int, int] = field(default_factory=dict)  # group_id -> version, dispatched and not yet consumed
     complete: set[int] = field(default_factory=set)  # subset of unconsumed whose rollout, reward and advantage finished
     consumed: dict[int, int] = field(default_factory=dict)  # group_id -> update that trained on it
+    lookahead: int = 0  # batches that may be decided beyond the one training now
+
+    @property
+    def running(self) -> BatchDecision | None:
+        """The oldest decided batch that has not finished training."""
+        return self.decided[0] if self.decided else None
 
     # ---- dispatch side -------------------------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -79,38 +92,43 @@ class VersionGate:
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def decide(self) -> BatchDecision | None:
-        """The next batch if update `next_update` may start now, else None."""
-        if self.running is not None:
+        """The batch of the next undecided update if it may be handed over now, else None."""
+        if len(self.decided) > self.lookahead:
             return None
-        u, floor = self.next_update, self.next_update - self.max_staleness
-        stragglers = sorted(g for g, v in self.unconsumed.items() if v <= floor)
+        u = self.next_update + len(self.decided)
+        floor = u - self.max_staleness
+        taken = {g for d in self.decided for g in d.group_ids}
+        pool = {g: v for g, v in self.unconsumed.items() if g not in taken}
+        if any(v < floor for v in pool.values()):
+            raise GateInvariantError(f"update {u}: a group older than version {floor} was left behind")
+        stragglers = sorted(g for g, v in pool.items() if v == floor)
         if any(g not in self.complete for g in stragglers):
             return None
-        if len(self.complete) < self.train_batch_size:
+        ready = [g for g in pool if g in self.complete]
+        if len(ready) < self.train_batch_size:
             return None
-        others = sorted((g for g in self.complete if self.unconsumed[g] > floor), key=lambda g: (self.unconsumed[g], g))
+        others = sorted((g for g in ready if pool[g] > floor), key=lambda g: (pool[g], g))
         chosen = stragglers + others[: self.train_batch_size - len(stragglers)]
-        if not self._feasible_after(set(chosen)):
+        if not self._feasible_after(taken | set(chosen), u + 1):
             return None
-        decision = BatchDecision(u, tuple(chosen), tuple(self.unconsumed[g] for g in chosen))
-        self.running = decision
+        decision = BatchDecision(u, tuple(chosen), tuple(pool[g] for g in chosen))
+        self.decided.append(decision)
         return decision
 
-    def _feasible_after(self, chosen: set[int]) -> bool:
-        """Can updates u+1, u+2, ... still consume every remaining group before its deadline?"""
+    def _feasible_after(self, chosen: set[int], after: int) -> bool:
+        """Can updates `after`, `after + 1`, ... still consume every remaining group before its deadline?"""
         left = sorted(v for g, v in self.unconsumed.items() if g not in chosen)
-        after = self.next_update + 1
         return all(count <= (v + self.max_staleness - after + 1) * self.train_batch_size
                    for count, v in enumerate(left, start=1))
 
     def on_update_done(self, update: int) -> None:
         if self.running is None or self.running.update != update:
             raise GateInvariantError(f"update {update} finished but the running update is {self.running}")
-        for g in self.running.group_ids:
+        done = self.decided.pop(0)
+        for g in done.group_ids:
             del self.unconsumed[g]
             self.complete.discard(g)
             self.consumed[g] = update
-        self.running = None
         self.next_update = update + 1
         self.newest = update + 1
 
@@ -135,10 +153,16 @@ class VersionGate:
             check(count <= (v + K - self.next_update + 1) * tbs,
                   f"{count} unconsumed groups of version <= {v} cannot all be trained within the window")
         check(all(v <= self.newest for v in self.unconsumed.values()), "a group has a version from the future")
-        if self.running is not None:
-            check(len(self.running.group_ids) == tbs, "a batch is not TBS groups")
-            check(self.running.max_staleness <= K, "a batch exceeds the staleness bound")
-            check(set(self.running.group_ids) <= self.complete, "a batch holds an incomplete group")
+        check(len(self.decided) <= self.lookahead + 1, "more batches decided than the lookahead allows")
+        taken: set[int] = set()
+        for i, batch in enumerate(self.decided):
+            check(batch.update == self.next_update + i, f"decided batches out of order: {batch.update}")
+            check(len(batch.group_ids) == tbs, "a batch is not TBS groups")
+            check(batch.max_staleness <= K and min(batch.update - v for v in batch.versions) >= 0,
+                  "a batch exceeds the staleness bound")
+            check(set(batch.group_ids) <= self.complete, "a batch holds an incomplete group")
+            check(not (taken & set(batch.group_ids)), "a group is in two decided batches")
+            taken |= set(batch.group_ids)
 
     def to_state(self) -> dict:
         return {
@@ -149,9 +173,10 @@ class VersionGate:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> "VersionGate":
+    def from_state(cls, state: dict, lookahead: int = 0) -> "VersionGate":
+        """A gate at a checkpoint (decided batches that had not finished training are decided again)."""
         gate = cls(state["max_staleness"], state["train_batch_size"], state["newest"], state["next_update"],
-                   state["dispatched_total"])
+                   state["dispatched_total"], lookahead=lookahead)
         gate.unconsumed = {int(g): v for g, v in state["unconsumed"].items()}
         gate.complete = set(state["complete"])
         gate.consumed = {int(g): u for g, u in state["consumed"].items()}

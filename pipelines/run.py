@@ -105,8 +105,7 @@ class Run:
         interval = cfg.task.eval_interval
         if version == cfg.dora.num_updates or (interval and version % interval == 0):
             d.submit_evaluation(version)
-        if cfg.storage.checkpoint_interval and version % cfg.storage.checkpoint_interval == 0 \
-                and version < cfg.dora.num_updates:
+        if d.checkpoint_due(version):
             self.checkpoint(update)
 
     def show_progress(self) -> None:
@@ -194,7 +193,7 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     d = cfg.dora
-    gate = VersionGate(d.max_staleness, d.train_batch_size)
+    gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg))
 
@@ -202,7 +201,7 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
 def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
     ckpt = checkpoints.load_latest()
     state = ckpt.state
-    gate = VersionGate.from_state(state["gate"])
+    gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead)
     gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,

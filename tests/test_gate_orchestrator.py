@@ -11,10 +11,11 @@ from pipelines.gate import GateInvariantError, VersionGate
 from pipelines.orchestrator import Load, Orchestrator, Start
 
 
-def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0):
+def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
+          lookahead: int = 0):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
-    gate = VersionGate(K, tbs)
+    gate = VersionGate(K, tbs, lookahead=lookahead)
     orch = Orchestrator(rbs, updates * tbs)
     for i in range(instances):
         orch.add_instance(f"w{i}", slots)
@@ -47,8 +48,7 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
             g = running.pop(rng.randrange(len(running)))
             orch.on_group_done(g)
             gate.on_complete(g)
-        decision = gate.decide()
-        if decision is not None:
+        while (decision := gate.decide()) is not None:
             batches.append(decision)
         if gate.running is not None and (not running or rng.random() < 0.5):
             gate.on_update_done(gate.running.update)
@@ -60,9 +60,10 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
 @settings(max_examples=60, deadline=None)
 @given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
        instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
-       kill=st.sampled_from([0.0, 0.05]))
-def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill):
-    gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill)
+       kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2))
+def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill,
+                                                        lookahead):
+    gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead)
     consumed = [g for b in batches for g in b.group_ids]
     # C2: every dispatched group trained exactly once, nothing left behind, exactly N * TBS groups
     assert len(consumed) == len(set(consumed)) == updates * tbs
@@ -73,8 +74,27 @@ def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, 
         assert len(b.group_ids) == tbs
         assert all(0 <= b.update - v <= K for v in b.versions)
         assert all(started[g] == v for g, v in zip(b.group_ids, b.versions))
+    assert [b.update for b in batches] == list(range(updates))
     if K == 0:
         assert all(len(set(b.versions)) == 1 and b.versions[0] == b.update for b in batches)
+
+
+def test_lookahead_hands_over_the_next_batch_while_an_update_trains_and_never_at_K0():
+    for K, expect_early in ((0, False), (2, True)):
+        gate = VersionGate(K, 2, lookahead=1)
+        for g in range(2 * (K + 1)):
+            gate.on_dispatch(g, 0)
+            gate.on_complete(g)
+        assert gate.decide().update == 0
+        early = gate.decide()  # update 0 still training
+        assert (early is not None) == expect_early
+        if early is not None:
+            assert early.update == 1 and not set(early.group_ids) & set(gate.running.group_ids)
+            assert gate.decide() is None  # lookahead 1: at most two batches handed over
+        gate.validate()
+        gate.on_update_done(0)
+        gate.validate()
+        assert (gate.running is not None) == expect_early
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])

@@ -214,8 +214,6 @@ def test_continuous_batching_logprobs_match_a_recompute_of_the_one_version(tmp_p
 
 @pytest.mark.slow
 def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none(small_config, tmp_path):
-    import dask
-
     from pipelines.cluster import embedded_cluster
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
@@ -224,22 +222,20 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
     # rollout.max_new_tokens budget (several chunks of 16), so publishes land in the middle of running responses.
     settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.chunk_tokens=16",
                 "rollout.temperature=2.0"]
-    # the client's periodic scheduler-info refresh races with labelled_workers (docs/benchmark.md)
-    with dask.config.set({"distributed.client.scheduler-info-interval": "1h"}):
-        cluster = embedded_cluster(small_config(*settings))
-        try:
-            c1 = {}
-            for name, partial in (("partial", "true"), ("normal", "false")):
-                cfg = small_config(*settings, f"rollout.partial_rollout={partial}",
-                                   f"cluster.scheduler_address={cluster.scheduler_address}",
-                                   f"storage.run_dir={tmp_path / name}",
-                                   f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
-                summary = run_pipeline(cfg)
-                report = audit_store(summary.store, cfg.dora.max_staleness)
-                assert report.counts["updates"] == 3 and report.counts["consumed_groups"] == 12
-                assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
-                c1[name] = report.count("token_version_mismatch")
-                assert summary.audit_ok == (c1[name] == 0)
-        finally:
-            cluster.close()
+    cluster = embedded_cluster(small_config(*settings))
+    try:
+        c1 = {}
+        for name, partial in (("partial", "true"), ("normal", "false")):
+            cfg = small_config(*settings, f"rollout.partial_rollout={partial}",
+                               f"cluster.scheduler_address={cluster.scheduler_address}",
+                               f"storage.run_dir={tmp_path / name}",
+                               f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
+            summary = run_pipeline(cfg)
+            report = audit_store(summary.store, cfg.dora.max_staleness)
+            assert report.counts["updates"] == 3 and report.counts["consumed_groups"] == 12
+            assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
+            c1[name] = report.count("token_version_mismatch")
+            assert summary.audit_ok == (c1[name] == 0)
+    finally:
+        cluster.close()
     assert c1["partial"] > 0 and c1["normal"] == 0, c1
