@@ -193,7 +193,7 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     d = cfg.dora
-    gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead)
+    gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg))
 
@@ -201,7 +201,7 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
 def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
     ckpt = checkpoints.load_latest()
     state = ckpt.state
-    gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead)
+    gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead, order=cfg.dora.batch_order)
     gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,

@@ -12,10 +12,10 @@ from pipelines.orchestrator import Load, Orchestrator, Start
 
 
 def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
-          lookahead: int = 0):
+          lookahead: int = 0, order: str = "dispatch"):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
-    gate = VersionGate(K, tbs, lookahead=lookahead)
+    gate = VersionGate(K, tbs, lookahead=lookahead, order=order)
     orch = Orchestrator(rbs, updates * tbs)
     for i in range(instances):
         orch.add_instance(f"w{i}", slots)
@@ -60,10 +60,11 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
 @settings(max_examples=60, deadline=None)
 @given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
        instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
-       kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2))
+       kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2), order=st.sampled_from(["dispatch", "completion"]))
 def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill,
-                                                        lookahead):
-    gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead)
+                                                        lookahead, order):
+    gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead,
+                                            order)
     consumed = [g for b in batches for g in b.group_ids]
     # C2: every dispatched group trained exactly once, nothing left behind, exactly N * TBS groups
     assert len(consumed) == len(set(consumed)) == updates * tbs
@@ -77,6 +78,8 @@ def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, 
     assert [b.update for b in batches] == list(range(updates))
     if K == 0:
         assert all(len(set(b.versions)) == 1 and b.versions[0] == b.update for b in batches)
+    if order == "dispatch":  # batches take the groups in the order they were dispatched
+        assert consumed == sorted(consumed, key=lambda g: (started[g], g))
 
 
 def test_lookahead_hands_over_the_next_batch_while_an_update_trains_and_never_at_K0():
@@ -110,7 +113,7 @@ def test_K0_never_has_two_versions_live():
 
 
 def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
-    gate = VersionGate(max_staleness=1, train_batch_size=2)
+    gate = VersionGate(max_staleness=1, train_batch_size=2, order="completion")
     for g in range(2):
         gate.on_dispatch(g, 0)
     gate.on_complete(0)
@@ -135,6 +138,20 @@ def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
         gate.on_dispatch(g, 2)
     gate.on_complete(6)
     assert gate.decide().group_ids == (2, 5)
+    gate.validate()
+
+
+def test_dispatch_order_waits_for_the_oldest_groups_however_many_others_are_complete():
+    gate = VersionGate(max_staleness=3, train_batch_size=2)  # order="dispatch"
+    for g in range(6):
+        gate.on_dispatch(g, 0)
+    for g in (2, 3, 4, 5):  # the short ones finished first
+        gate.on_complete(g)
+    assert gate.decide() is None  # groups 0 and 1 were dispatched first: the batch waits for them
+    gate.on_complete(1)
+    assert gate.decide() is None
+    gate.on_complete(0)
+    assert gate.decide().group_ids == (0, 1)
     gate.validate()
 
 
