@@ -147,11 +147,11 @@ class DoraConfig:
     #                            on without a driver round trip (0 = decide each update after the previous publish;
     #                            no effect at K=0, where update u+1's groups cannot exist before version u+1)
 
-    batch_order: str = "dispatch"  # which complete groups fill a batch: "dispatch" = in the order they were
-    #                                dispatched (unbiased by length), "completion" = whichever finished first
+    batch_order: str = "completion"  # which groups fill a batch: "completion" = the first complete ones (streaming),
+    #                                  "dispatch" = in dispatch order, waiting for them (unbiased by response length)
 
     def validate(self) -> None:
-        _choice(self.batch_order, "dora.batch_order", ("dispatch", "completion"))
+        _choice(self.batch_order, "dora.batch_order", ("completion", "dispatch"))
         _require(self.update_lookahead >= 0, "dora.update_lookahead", f"must be >= 0, got {self.update_lookahead}")
         _require(self.max_staleness >= 0, "dora.max_staleness", f"K must be >= 0, got {self.max_staleness}")
         _require(self.train_batch_size >= 1, "dora.train_batch_size",

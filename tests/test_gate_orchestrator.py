@@ -12,7 +12,7 @@ from pipelines.orchestrator import Load, Orchestrator, Start
 
 
 def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
-          lookahead: int = 0, order: str = "dispatch"):
+          lookahead: int = 0, order: str = "completion"):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
     gate = VersionGate(K, tbs, lookahead=lookahead, order=order)
@@ -113,7 +113,7 @@ def test_K0_never_has_two_versions_live():
 
 
 def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
-    gate = VersionGate(max_staleness=1, train_batch_size=2, order="completion")
+    gate = VersionGate(max_staleness=1, train_batch_size=2)  # order="completion"
     for g in range(2):
         gate.on_dispatch(g, 0)
     gate.on_complete(0)
@@ -142,7 +142,7 @@ def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
 
 
 def test_dispatch_order_waits_for_the_oldest_groups_however_many_others_are_complete():
-    gate = VersionGate(max_staleness=3, train_batch_size=2)  # order="dispatch"
+    gate = VersionGate(max_staleness=3, train_batch_size=2, order="dispatch")
     for g in range(6):
         gate.on_dispatch(g, 0)
     for g in (2, 3, 4, 5):  # the short ones finished first
