@@ -1,6 +1,6 @@
 """Does asynchrony cost learning? K=0, K=1 and K=3 from the same warm-started policy, same updates, same seed.
 
-    python benchmarks/learning.py                       # the measured setting below, ~20 min on 2 busy cores
+    python benchmarks/learning.py                       # the measured setting below, ~3 min on 2 idle cores
     python benchmarks/learning.py --updates 10 dora.train_batch_size=4   # any config override goes after
 
 Each mode is one real pipeline run (embedded LocalCluster, `pipelines.streaming.run_pipeline`) on
