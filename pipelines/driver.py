@@ -264,8 +264,8 @@ class Driver:
         return rolling + [g.futures[-1] for g in self.in_flight.values()] + list(self.update_futures)
 
     def watch(self, *futures: Future) -> None:
-        """Queue each future when it finishes (one callback per future, instead of re-waiting on every pending
-        future at every turn of the loop: that cost grew with the groups in flight)."""
+        """Queue each future when it finishes (one callback per future, registered once, rather than waiting
+        anew on every pending future at every turn of the loop)."""
         for future in futures:
             future.add_done_callback(self._finished.put)
 
