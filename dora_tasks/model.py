@@ -28,7 +28,7 @@ MAX_POSITIONS = 1024
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file is missing or does not describe a character tokenizer."""
+    """A model folder's tokenizer is missing or cannot be read."""
 
 
 class CharTokenizer:
@@ -69,6 +69,10 @@ class CharTokenizer:
             if _SPECIALS <= i < self.vocab_size:
                 chars.append(self.charset[i - _SPECIALS])
         return "".join(chars)
+
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        """bos + the prompt's characters; a chat-message list is rendered as its contents, one per line."""
+        return [BOS_ID, *self.encode(render_messages(prompt))]
 
     def save(self, folder: str) -> str:
         os.makedirs(folder, exist_ok=True)
@@ -125,8 +129,65 @@ def save_policy(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, p
     return path
 
 
-def load_tokenizer(path: str) -> CharTokenizer:
-    return CharTokenizer.load(path)
+class HFTokenizer:
+    """A pretrained model's own Hugging Face tokenizer (a GPU run with `model.path`) behind the interface the
+    pipeline uses: `prompt_ids` applies the model's chat template when a prompt is a chat-message list (the layout
+    of DAPO-Math-17k and most RL prompt sets), `decode` drops special tokens for the reward function."""
+
+    def __init__(self, path: str) -> None:
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        self.bos_id = self.tokenizer.bos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.tokenizer.name_or_path!r}, vocab_size={self.vocab_size})"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        if isinstance(prompt, list) and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return self.encode(text)
+        return list(self.tokenizer.encode(render_messages(prompt), add_special_tokens=True))
+
+
+def render_messages(prompt: str | list[dict]) -> str:
+    """A prompt as text: a chat-message list ([{"role", "content"}]) becomes its contents, one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in prompt)
+
+
+def load_tokenizer(path: str) -> CharTokenizer | HFTokenizer:
+    """The tokenizer of a model folder: the project's character tokenizer (folders written by `save_policy`), or
+    the folder's own Hugging Face tokenizer (a pretrained model)."""
+    if not os.path.isdir(path):
+        raise TokenizerError(f"{path!r} does not exist: a model folder (save_policy's, or a pretrained one) is expected")
+    spec_path = os.path.join(path, TOKENIZER_FILE)
+    if os.path.isfile(spec_path):
+        with open(spec_path) as f:
+            try:
+                is_char = json.load(f).get("type") == "char"
+            except (json.JSONDecodeError, AttributeError):
+                is_char = False
+        if is_char:
+            return CharTokenizer.load(path)
+    try:
+        return HFTokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path!r} holds neither a character tokenizer ({TOKENIZER_FILE} of type 'char') nor "
+                             f"a Hugging Face tokenizer ({type(exc).__name__}: {exc})") from None
 
 
 def load_policy(path: str) -> tuple[transformers.Qwen2ForCausalLM, CharTokenizer]:

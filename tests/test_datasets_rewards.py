@@ -74,6 +74,44 @@ def test_missing_key_names_file_row_and_key(tmp_path):
     assert "bad.jsonl" in message and "row 4" in message and "'solution'" in message
 
 
+def hf_tokenizer_folder(folder) -> str:
+    """A Hugging Face tokenizer built offline (word level, with a chat template), saved like a pretrained model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "what", "is", "2", "+", "?", "4"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    tok.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_chat_prompts_and_nested_answers_with_a_pretrained_tokenizer(tmp_path):
+    from dora_tasks.model import HFTokenizer, load_tokenizer
+
+    tok = load_tokenizer(hf_tokenizer_folder(tmp_path / "model"))
+    assert isinstance(tok, HFTokenizer)
+    CharTokenizer().save(str(tmp_path / "char"))
+    assert load_tokenizer(str(tmp_path / "char")) == CharTokenizer()  # a save_policy folder keeps its own
+    rows = [{"prompt": [{"role": "user", "content": "what is 2 + 2 ?"}], "reward_model": {"ground_truth": "4"}}] * 4
+    cfg = TaskConfig(name="dataset", dataset=write_jsonl(tmp_path / "math.jsonl", rows), prompt_key="prompt",
+                     answer_key="reward_model.ground_truth", eval_prompts=1)
+    train, held_out = load_prompts(cfg, tok, seed=0)
+    p = train[0]
+    assert p.answer == "4" and p.text == "what is 2 + 2 ?"
+    expected = tok.tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert list(p.token_ids) == tok.encode(expected)
+    assert tok.decode(tok.encode("what is 4")) == "what is 4" and tok.decode([tok.eos_id]) == ""
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:1] + [{"prompt": "x", "reward_model": {"score": 1}}])
+    with pytest.raises(DatasetError) as info:
+        load_prompts(TaskConfig(name="dataset", dataset=bad, prompt_key="prompt",
+                                answer_key="reward_model.ground_truth"), tok, seed=0)
+    assert "row 2" in str(info.value) and "'ground_truth' not found inside 'reward_model'" in str(info.value)
+
+
 def test_missing_file_and_bad_rows(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompts(dataset_cfg(str(tmp_path / "nope.jsonl")), TOK, seed=0)

@@ -55,10 +55,10 @@ def load_weights_in_place(model: torch.nn.Module, folder: str) -> None:
                            f"unexpected {sorted(unexpected)}")
 
 
-def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask), both [B, max_len], pad on the left."""
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         if len(prompt) == 0:
@@ -68,12 +68,21 @@ def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int) -> Generation:
+def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int,
+               eos_ids: Sequence[int] = (EOS_ID,)) -> Generation:
     """One row of generated tokens, cut after the first eos (kept) or left whole when there is none."""
-    eos = np.flatnonzero(tokens == EOS_ID)
+    eos = np.flatnonzero(np.isin(tokens, list(eos_ids)))
     end = int(eos[0]) + 1 if len(eos) else len(tokens)
     return Generation(token_ids=tokens[:end].astype(np.int32), logprobs=logprobs[:end].astype(np.float32),
                       versions=np.full(end, version, dtype=np.int32), finished=bool(len(eos)))
+
+
+def special_ids(config) -> tuple[tuple[int, ...], int]:
+    """(eos ids, pad id) of a model config: the project's policies use eos=2, pad=0; a pretrained model its own."""
+    eos = config.eos_token_id if config.eos_token_id is not None else EOS_ID
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    pad = config.pad_token_id if config.pad_token_id is not None else eos_ids[0]
+    return eos_ids, int(pad)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -101,14 +110,14 @@ class HFRolloutEngine(RolloutEngine):
         self.cfg = rollout_cfg
         self.version = version
         self.max_batch = max_batch
+        self.eos_ids, self.pad_id = special_ids(model.config)
         self.generation_config = self._generation_config(rollout_cfg, do_sample)
 
-    @staticmethod
-    def _generation_config(cfg: RolloutConfig, do_sample: bool) -> transformers.GenerationConfig:
+    def _generation_config(self, cfg: RolloutConfig, do_sample: bool) -> transformers.GenerationConfig:
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0} if do_sample else {}
         return transformers.GenerationConfig(
-            do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-            return_dict_in_generate=True, output_scores=True, **sampling)
+            do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=list(self.eos_ids),
+            pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True, **sampling)
 
     def load_version(self, version: int, weights_path: str) -> None:
         with torch.no_grad():
@@ -137,7 +146,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _generate_batch(self, rows: Sequence[Sequence[int]], seed: int,
                         generation_config: transformers.GenerationConfig) -> list[Generation]:
-        input_ids, mask = left_pad(rows)
+        input_ids, mask = left_pad(rows, self.pad_id)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=generation_config)
@@ -145,4 +154,4 @@ class HFRolloutEngine(RolloutEngine):
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V], the processed (sampling) scores
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         tokens_np, logprobs_np = tokens.numpy(), logprobs.numpy()
-        return [cut_at_eos(tokens_np[r], logprobs_np[r], self.version) for r in range(len(rows))]
+        return [cut_at_eos(tokens_np[r], logprobs_np[r], self.version, self.eos_ids) for r in range(len(rows))]

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dora_tasks.model import render_messages
 from dora_tasks.records import Prompt
 from dora_tasks.workloads import countdown
 from pipelines.config import TaskConfig
@@ -111,21 +112,34 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
 
 
 def rows_to_prompts(rows: Iterable[dict[str, Any]], task_cfg: TaskConfig, tokenizer, source: str) -> list[Prompt]:
+    """A prompt field may be text or a chat-message list ([{"role", "content"}], rendered by the tokenizer: the
+    model's chat template for a pretrained tokenizer); keys may be dotted paths into nested fields
+    (`reward_model.ground_truth`)."""
     prompts = []
     for number, row in enumerate(rows, start=1):
-        text = required_field(row, task_cfg.prompt_key, source, number)
+        prompt = required_field(row, task_cfg.prompt_key, source, number)
         answer = required_field(row, task_cfg.answer_key, source, number)
-        prompts.append(Prompt(prompt_id=number - 1, text=text, answer=answer,
-                              token_ids=(tokenizer.bos_id, *tokenizer.encode(text))))
+        if not isinstance(prompt, (str, list)):
+            prompt = str(prompt)
+        prompts.append(Prompt(prompt_id=number - 1, text=render_messages(prompt), answer=str(answer),
+                              token_ids=tuple(tokenizer.prompt_ids(prompt))))
     if not prompts:
         raise DatasetError(f"{source!r} holds no rows")
     return prompts
 
 
-def required_field(row: dict[str, Any], key: str, source: str, number: int) -> str:
-    if key not in row or row[key] is None:
-        raise DatasetError(f"{source!r} row {number}: missing key {key!r} (row keys: {', '.join(map(str, row))})")
-    return str(row[key])
+def required_field(row: dict[str, Any], key: str, source: str, number: int) -> Any:
+    """`row[key]`, following a dotted key through nested fields; a missing or null field is a DatasetError."""
+    value: Any = row
+    for depth, part in enumerate(key.split(".")):
+        if not isinstance(value, dict) or value.get(part) is None:
+            where = key.split(".")[:depth]
+            keys = ", ".join(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            inside = f" inside {'.'.join(where)!r}" if where else ""
+            raise DatasetError(f"{source!r} row {number}: missing key {key!r} ({part!r} not found{inside}; "
+                               f"keys there: {keys})")
+        value = value[part]
+    return value
 
 
 def split_eval(prompts: list[Prompt], eval_size: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
