@@ -219,8 +219,10 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
     from storage.audit import audit_store
 
     # K=1: the groups of version u+1 roll out while update u runs. Temperature 2 makes the policy ramble to its
-    # rollout.max_new_tokens budget (several chunks of 16), so publishes land in the middle of running responses.
-    settings = ["dora.max_staleness=1", "dora.num_updates=3", "rollout.chunk_tokens=16",
+    # rollout.max_new_tokens budget (12 chunks of 8), so publishes land in the middle of running responses; one
+    # run of 3 updates once had none that did, 6 updates give 5 publishes during rollout.
+    N = 6
+    settings = ["dora.max_staleness=1", f"dora.num_updates={N}", "rollout.chunk_tokens=8",
                 "rollout.temperature=2.0"]
     cluster = embedded_cluster(small_config(*settings))
     try:
@@ -232,7 +234,7 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
                                f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
             summary = run_pipeline(cfg)
             report = audit_store(summary.store, cfg.dora.max_staleness)
-            assert report.counts["updates"] == 3 and report.counts["consumed_groups"] == 12
+            assert report.counts["updates"] == N and report.counts["consumed_groups"] == 4 * N
             assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
             c1[name] = report.count("token_version_mismatch")
             assert summary.audit_ok == (c1[name] == 0)
