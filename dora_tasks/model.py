@@ -173,7 +173,8 @@ def load_tokenizer(path: str) -> CharTokenizer | HFTokenizer:
     """The tokenizer of a model folder: the project's character tokenizer (folders written by `save_policy`), or
     the folder's own Hugging Face tokenizer (a pretrained model)."""
     if not os.path.isdir(path):
-        raise TokenizerError(f"{path!r} does not exist: a model folder (save_policy's, or a pretrained one) is expected")
+        raise TokenizerError(f"{path!r} does not exist: a model folder (save_policy's, or a pretrained one) "
+                             "is expected")
     spec_path = os.path.join(path, TOKENIZER_FILE)
     if os.path.isfile(spec_path):
         with open(spec_path) as f:

@@ -94,7 +94,8 @@ class RolloutConfig:
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.chunk_tokens >= 0, "rollout.chunk_tokens", f"must be >= 0 (0 = static batches), got {self.chunk_tokens}")
+        _require(self.chunk_tokens >= 0, "rollout.chunk_tokens",
+                 f"must be >= 0 (0 = static batches), got {self.chunk_tokens}")
         _require(self.chunk_tokens >= 1 or not self.partial_rollout, "rollout.chunk_tokens",
                  "must be >= 1 with rollout.partial_rollout=true (the newest version is loaded between chunks)")
         _require(self.kv_cache_bytes > 0, "rollout.kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")

@@ -60,7 +60,8 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
 @settings(max_examples=60, deadline=None)
 @given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
        instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
-       kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2), order=st.sampled_from(["dispatch", "completion"]))
+       kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2),
+       order=st.sampled_from(["dispatch", "completion"]))
 def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill,
                                                         lookahead, order):
     gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead,
