@@ -3,12 +3,14 @@
 Embedded default: a SpecCluster of Nanny worker processes on this machine, GPU-labelled like a real cluster:
   rollout-i   ``GPU=1, ROLLOUT=<rollout.slots>``, ``nthreads=<rollout.slots>`` (one per instance)
   trainer     ``GPU=1, TRAINER=1``, ``nthreads=1``
-  cpu-i       ``CPU=<cluster.cpu_threads>`` (reward and advantage)
+  cpu-i       ``CPU=<cluster.cpu_threads>`` (reward, advantage, gate, evaluation)
 A real cluster is launched the same way by hand (see the README):
   dask scheduler
   dask worker tcp://HOST:8786 --nthreads 4 --resources "GPU=1,ROLLOUT=4"     # one per rollout GPU
   dask worker tcp://HOST:8786 --nthreads 1 --resources "GPU=1,TRAINER=1"     # the trainer GPU
   dask worker tcp://HOST:8786 --nthreads 4 --resources "CPU=4"               # reward workers
+The driver's client fetches results straight from the workers (``cluster.direct_to_workers``), so the scheduler does
+not relay every group to the driver.
 """
 from __future__ import annotations
 
@@ -68,10 +70,11 @@ def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
     """Client on the embedded cluster, or on `cluster.scheduler_address` (clear error if it cannot be reached)."""
     if not cfg.cluster.scheduler_address:
         cluster = embedded_cluster(cfg)
-        return cluster, Client(cluster)
+        return cluster, Client(cluster, direct_to_workers=cfg.cluster.direct_to_workers)
     address = cfg.cluster.scheduler_address
     try:
-        client = Client(address, timeout=cfg.cluster.connect_timeout_s)
+        client = Client(address, timeout=cfg.cluster.connect_timeout_s,
+                        direct_to_workers=cfg.cluster.direct_to_workers)
     except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
         raise ClusterError(f"cluster.scheduler_address: cannot reach the Dask scheduler at {address} within "
                            f"{cfg.cluster.connect_timeout_s:.0f} s ({type(exc).__name__}); start it with "

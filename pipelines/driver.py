@@ -5,6 +5,10 @@ Submission placement (Dask resource restrictions):
   rollout   -> the instance the orchestrator chose (``workers=[addr]``), resource ROLLOUT=1 (one slot)
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
   update, publish -> the trainer, resource TRAINER=1
+
+A complete group is fetched by the driver (the store's single writer) and from then on travels by value: the gate
+task of its batch carries it, so a group no longer depends on the memory of the worker that scored it, and workers
+hold each group only until the driver has it.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class InFlight:
     version: int
     attempt: int
     futures: list[Future]  # rollout, reward, advantage
+    instance: str  # where it is generated
     rolled_out: bool = False  # the rollout finished: its instance slot is free again
 
 
@@ -85,7 +90,7 @@ class Driver:
     timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
     attempts: dict[int, int] = field(default_factory=dict)
-    complete: dict[int, tuple[Future, Group]] = field(default_factory=dict)
+    complete: dict[int, Group] = field(default_factory=dict)  # fetched, not yet consumed
     update_futures: dict[Future, str] = field(default_factory=dict)  # publish/update/eval future -> kind
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
@@ -105,12 +110,21 @@ class Driver:
         current = labelled_workers(self.client).rollout
         for address in list(self.orchestrator.instances):
             if address not in current:
-                for gid in self.orchestrator.remove_instance(address):
-                    lost = self.in_flight.pop(gid)
-                    log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
-                    self.client.cancel(lost.futures)
+                self.restart_groups_of(address)
         for address, slots in current.items():
             self.orchestrator.add_instance(address, slots)
+
+    def restart_groups_of(self, address: str) -> None:
+        """A rollout instance died: its groups restart on their own version, those it was generating and those it
+        generated whose scoring had not finished (their rollout output may have died with it before it was moved)."""
+        generating = self.orchestrator.remove_instance(address)
+        scoring = [gid for gid, g in self.in_flight.items() if g.instance == address and g.rolled_out]
+        for gid in scoring:
+            self.orchestrator.requeue(gid, self.in_flight[gid].version)
+        for gid in generating + scoring:
+            lost = self.in_flight.pop(gid)
+            log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
+            self.client.cancel(lost.futures)
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
@@ -134,7 +148,7 @@ class Driver:
         scored = self.client.submit(steps.advantage, rewarded, self.cfg.train.advantage,
                                     self.cfg.train.filter_degenerate, key=("advantage", v, gid) + suffix,
                                     resources=CPU, pure=False)
-        self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored])
+        self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored], start.instance)
         self.watch(rolled, scored)
 
     def on_rolled_out(self, gid: int) -> None:
@@ -147,9 +161,9 @@ class Driver:
     def on_group(self, gid: int, future: Future) -> None:
         group: Group = future.result()
         self.on_rolled_out(gid)
-        del self.in_flight[gid]
+        del self.in_flight[gid]  # its futures go: the workers may drop the group
         self.gate.on_complete(gid)
-        self.complete[gid] = (future, group)
+        self.complete[gid] = group
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:
@@ -169,7 +183,7 @@ class Driver:
         """gate(u) -> update(u) -> publish(u+1); update(u) also waits for the publish of version u, so a batch handed
         over early trains the moment the previous update's weights are written."""
         u, c = decision.update, self.cfg
-        groups = [self.complete[g][0] for g in decision.group_ids]
+        groups = [self.complete[g] for g in decision.group_ids]
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, *groups, key=("gate", u), resources=CPU, pure=False)
         previous = self.updates[-1].published if self.updates else None
@@ -189,7 +203,7 @@ class Driver:
         published: PublishedWeights = future.result()
         result: UpdateResult = queued.updated.result()
         now = time.time()
-        groups = [self.complete.pop(g)[1] for g in decision.group_ids]
+        groups = [self.complete.pop(g) for g in decision.group_ids]
         self.gate.on_update_done(decision.update)
         self.orchestrator.on_publish(published.version)
         self.store.append_consumed(groups, decision.update, now)

@@ -167,6 +167,8 @@ class Tracker:
         self._client = None
         self._writer: _Writer | None = None
         self._closed_failures = 0
+        self._buffered: list = []  # metrics not yet handed to the writer (see `tracking.metrics_flush_s`)
+        self._flushed = time.time()
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
@@ -191,6 +193,7 @@ class Tracker:
     def close(self, status: str = "FINISHED") -> None:
         if self._writer is None:
             return
+        self.flush_metrics()
         self._writer.submit("end of run", self._client.set_terminated, self.run_id, status)
         if not self._writer.close(self.flush_timeout_s):
             warnings.warn(f"MLflow did not flush within {self.flush_timeout_s:.0f} s; later metrics may be missing",
@@ -211,10 +214,18 @@ class Tracker:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        batch = [Metric(key, value, now_ms, int(update)) for key, value in values.items()]
-        for i in range(0, len(batch), 1000):  # MLflow's metrics-per-batch limit
-            self._writer.submit(f"metrics of update {update}", self._client.log_batch, self.run_id,
-                                metrics=batch[i:i + 1000])
+        self._buffered += [Metric(key, value, now_ms, int(update)) for key, value in values.items()]
+        if time.time() - self._flushed >= self.cfg.tracking.metrics_flush_s:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        """Hand the buffered metrics to the writer, in batches within MLflow's 1000-metric limit."""
+        batch, self._buffered, self._flushed = self._buffered, [], time.time()
+        if self._writer is None or not batch:
+            return
+        steps = f"updates {batch[0].step}..{batch[-1].step}"
+        for i in range(0, len(batch), 1000):
+            self._writer.submit(f"metrics of {steps}", self._client.log_batch, self.run_id, metrics=batch[i:i + 1000])
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self._writer is not None:
@@ -333,6 +344,9 @@ class NullTracker:
         pass
 
     def log_update(self, update: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def flush_metrics(self) -> None:
         pass
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:

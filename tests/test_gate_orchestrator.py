@@ -191,3 +191,35 @@ def test_gate_state_round_trips():
     again = VersionGate.from_state(gate.to_state())
     assert again.to_state() == gate.to_state()
     again.validate()
+
+
+def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_not_yet_scored():
+    """Their rollout output may have died with the instance before the reward task fetched it: they restart too,
+    on their own version; groups of the other instance and groups already scored are left alone."""
+    from pipelines.config import load_config
+    from pipelines.driver import Driver, InFlight
+
+    class Client:
+        cancelled: list = []
+
+        def cancel(self, futures):
+            self.cancelled += futures
+
+    orch = Orchestrator(rollout_batch_size=4, group_budget=8)
+    orch.add_instance("a", 2)
+    orch.add_instance("b", 2)
+    starts = [s for s in orch.decide(capacity=4) if isinstance(s, Start)]
+    assert [(s.instance, s.group_id) for s in starts] == [("a", 0), ("a", 1), ("b", 2), ("b", 3)]
+    driver = Driver(load_config(None, []), Client(), VersionGate(1, 4), orch, None, None, "", [], [])
+    for s in starts:
+        driver.in_flight[s.group_id] = InFlight(s.group_id, 0, 0, [f"futures of {s.group_id}"], s.instance)
+    driver.on_rolled_out(0)  # group 0 generated on "a", still being scored
+    driver.on_rolled_out(2)  # group 2 generated on "b", still being scored
+    driver.restart_groups_of("a")
+    assert sorted(driver.in_flight) == [2, 3]
+    assert sorted(driver.client.cancelled) == ["futures of 0", "futures of 1"]
+    assert sorted(orch.queued[0]) == [0, 1]
+    orch.add_instance("c", 2)
+    restarts = [s for s in orch.decide(capacity=0) if isinstance(s, Start)]
+    assert sorted((s.group_id, s.version, s.new) for s in restarts) == [(0, 0, False), (1, 0, False)]
+    orch.validate()

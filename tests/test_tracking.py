@@ -157,6 +157,25 @@ def test_tracker_with_the_default_local_sqlite_store(pngs, tmp_path):
     assert run.data.params["dora.num_updates"] == str(cfg.dora.num_updates)
 
 
+@pytest.mark.parametrize("flush_s, batches", [(3600.0, 1), (0.0, 5)])
+def test_metrics_reach_mlflow_in_batches_and_all_by_the_end(tmp_path, flush_s, batches):
+    """`tracking.metrics_flush_s` batches updates into one MLflow write; closing flushes what is left."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = make_cfg(tmp_path, f"tracking.metrics_flush_s={flush_s}")
+    tracker = Tracker(cfg).start()
+    calls = []
+    log_batch = tracker._client.log_batch
+    tracker._client.log_batch = lambda *a, **kw: (calls.append(len(kw["metrics"])), log_batch(*a, **kw))
+    for u in range(5):
+        tracker.log_update(u, {"reward_mean": 0.1 * u, "loss": 1.0})
+    tracker.close()
+    assert calls == [10 // batches] * batches
+    history = MlflowClient(tracking_uri=tracker.tracking_uri).get_metric_history(tracker.run_id, "reward_mean")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4]
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+
+
 def test_unreachable_server_warns_and_the_run_goes_on(tmp_path):
     cfg = make_cfg(tmp_path, f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}")
     with pytest.warns(TrackingWarning, match="no MLflow server"):
