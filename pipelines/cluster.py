@@ -15,8 +15,9 @@ not relay every group to the driver.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -24,6 +25,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 from dora_tasks.plugins import WORKER_ENV
 from pipelines.config import Config
 
+log = logging.getLogger("dora")
 
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
@@ -46,6 +48,14 @@ class Workers:
     rollout: dict[str, int]  # address -> slots (value of the ROLLOUT resource)
     trainer: list[str]
     cpu: list[str]
+    paused: dict[str, str] = field(default_factory=dict)  # address -> "role, memory of limit" (no task runs there)
+
+
+def _describe_paused(info: dict, role: str) -> str:
+    memory, limit = info.get("metrics", {}).get("memory"), info.get("memory_limit")
+    if not memory or not limit:
+        return role
+    return f"{role}, process memory {memory / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB limit"
 
 
 def embedded_cluster(cfg: Config) -> SpecCluster:
@@ -85,16 +95,46 @@ def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
 def labelled_workers(client: Client) -> Workers:
     """The connected workers by label, asked of the scheduler itself (`client.scheduler_info()` is a cache that the
     client refreshes in the background and can read empty for a moment: every instance would look lost)."""
-    rollout, trainer, cpu = {}, [], []
+    rollout, trainer, cpu, paused = {}, [], [], {}
     for address, info in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items():
         res = info.get("resources", {})
+        roles = []
         if "ROLLOUT" in res and "GPU" in res:
             rollout[address] = int(res["ROLLOUT"])
+            roles.append("rollout instance")
         if "TRAINER" in res and "GPU" in res:
             trainer.append(address)
+            roles.append("trainer")
         if "CPU" in res:
             cpu.append(address)
-    return Workers(rollout, sorted(trainer), sorted(cpu))
+            roles.append("CPU worker")
+        if info.get("status") == "paused":
+            paused[address] = _describe_paused(info, " and ".join(roles) or "unlabelled worker")
+    return Workers(rollout, sorted(trainer), sorted(cpu), paused)
+
+
+class PausedWorkers:
+    """Follows workers that Dask's memory monitor paused (above `distributed.worker.memory.pause` of their memory
+    limit no task starts there): a warning at once, a `ClusterError` once one stayed paused `timeout_s`, instead of
+    a run that waits forever for tasks that cannot start."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.since: dict[str, float] = {}
+
+    def check(self, workers: Workers, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.since = {a: self.since.get(a, now) for a in workers.paused}
+        for address, what in workers.paused.items():
+            paused_s = now - self.since[address]
+            if paused_s == 0:
+                log.warning("worker %s (%s) is paused by Dask's memory monitor", address, what)
+            elif paused_s >= self.timeout_s:
+                raise ClusterError(
+                    f"worker {address} ({what}) has been paused by Dask's memory monitor for {paused_s:.0f} s, so "
+                    "no task starts on it and the run cannot go on; give it more memory: cluster.worker_memory "
+                    "(embedded cluster) or `dask worker --memory-limit`, or lower its use (rollout.kv_cache_bytes, "
+                    "rollout.slots)")
 
 
 def wait_for_workers(client: Client, timeout_s: float) -> Workers:

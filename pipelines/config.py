@@ -172,10 +172,12 @@ class ClusterConfig:
     #                                 cannot reach them (behind NAT): the scheduler then relays every result
     dashboard_address: str = ":0"
     connect_timeout_s: float = 10.0
+    paused_timeout_s: float = 60.0  # a worker paused by Dask's memory monitor this long stops the run with an error
 
     def validate(self) -> None:
         _require(self.cpu_workers >= 1, "cluster.cpu_workers", f"must be >= 1, got {self.cpu_workers}")
         _require(self.cpu_threads >= 1, "cluster.cpu_threads", f"must be >= 1, got {self.cpu_threads}")
+        _require(self.paused_timeout_s > 0, "cluster.paused_timeout_s", f"must be > 0, got {self.paused_timeout_s}")
         if self.scheduler_address:
             _require("://" in self.scheduler_address, "cluster.scheduler_address",
                      f"expected a URL such as tcp://host:8786, got {self.scheduler_address!r}")

@@ -28,7 +28,7 @@ from distributed import Client, Future
 from dora_tasks import steps
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
 from dora_tasks.records import Group, Prompt, PublishedWeights, UpdateResult
-from pipelines.cluster import labelled_workers
+from pipelines.cluster import PausedWorkers, Workers, labelled_workers
 from pipelines.config import Config
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.metrics import Timeline, UpdateTiming
@@ -98,6 +98,7 @@ class Driver:
     last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
     _synced: float = 0.0
+    _paused: PausedWorkers | None = None
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
     # ---- cluster membership --------------------------------------------------------------------------------------
@@ -107,12 +108,20 @@ class Driver:
         if time.time() - self._synced < every_s:
             return
         self._synced = time.time()
-        current = labelled_workers(self.client).rollout
+        current = self.check_workers().rollout
         for address in list(self.orchestrator.instances):
             if address not in current:
                 self.restart_groups_of(address)
         for address, slots in current.items():
             self.orchestrator.add_instance(address, slots)
+
+    def check_workers(self) -> Workers:
+        """The cluster's labelled workers; raises `ClusterError` once one has stayed paused too long."""
+        if self._paused is None:
+            self._paused = PausedWorkers(self.cfg.cluster.paused_timeout_s)
+        workers = labelled_workers(self.client)
+        self._paused.check(workers)
+        return workers
 
     def restart_groups_of(self, address: str) -> None:
         """A rollout instance died: its groups restart on their own version, those it was generating and those it
@@ -266,7 +275,12 @@ class Driver:
         if 0 not in self.accuracy and self.gate.newest == 0:
             self.submit_evaluation(0)
         for f in futures:
-            f.result()
+            while True:
+                try:
+                    f.result(timeout=1.0)
+                    break
+                except TimeoutError:
+                    self.check_workers()  # a paused engine never starts
         for f in list(self.update_futures):
             kind = self.update_futures.pop(f)
             self.accuracy[int(kind.split(":")[1])] = float(f.result())

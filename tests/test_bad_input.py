@@ -65,3 +65,21 @@ def test_a_run_folder_that_holds_a_run_is_never_overwritten(small_config):
     with pytest.raises(RunFolderError, match="already holds a run"):
         run_pipeline(cfg)
     assert open(marker).read() == "earlier results"
+
+
+def test_a_worker_paused_by_its_memory_limit_stops_the_run_with_a_clear_error(small_config):
+    """Dask pauses a worker above `distributed.worker.memory.pause` of its memory limit and starts no task there: the
+    run says so and stops, naming the worker and the setting, instead of waiting forever (here every worker pauses:
+    the fraction is set below what a worker process uses)."""
+    import dask
+
+    cfg = small_config("cluster.paused_timeout_s=2")
+    start = time.time()
+    with dask.config.set({"distributed.worker.memory.pause": 0.01, "distributed.worker.memory.terminate": False,
+                          "distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}):
+        with pytest.raises(ClusterError) as err:
+            run_pipeline(cfg)
+    message = str(err.value)
+    assert "paused by Dask's memory monitor" in message and "cluster.worker_memory" in message
+    assert "GiB limit" in message and "tcp://" in message
+    assert time.time() - start < 120
