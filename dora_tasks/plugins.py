@@ -54,7 +54,7 @@ class RolloutPlugin(WorkerPlugin):
             store = WeightStore(self.weight_store)
             newest = lambda: (store.latest(), store.path_for(store.latest()))
         self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), newest,
-                                    self.rollout.chunk_tokens)
+                                    self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache)
 
     def teardown(self, worker) -> None:
         if getattr(self, "server", None) is not None:

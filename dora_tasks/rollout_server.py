@@ -14,9 +14,10 @@ Batching (``rollout.chunk_tokens``):
   meanwhile wait until its longest response ends.
 * ``> 0``, continuous batching at chunk granularity: generation proceeds in chunks of ``chunk_tokens`` tokens; between
   chunks, requests whose responses all ended are handed back at once and newly arrived requests **of the loaded
-  version** join. A response that continues into the next chunk is re-encoded from its prompt plus the tokens so far
-  by the same weights (on the transformers engine there is no KV-cache reuse across chunks; vLLM's prefix cache
-  keeps the re-encode cheap). The loaded version never changes while a response is active, so C1 holds; a request
+  version** join. On an engine with ``open_session`` (transformers) the running rows keep their KV cache between
+  chunks (``rollout.keep_kv_cache``, `dora_tasks.engines.hf_session`); otherwise a response that continues is
+  re-encoded from its prompt plus the tokens so far by the same weights (vLLM's prefix cache keeps that cheap).
+  The loaded version never changes while a response is active, so C1 holds; a request
   of another version waits until the active ones have drained. A long response therefore no longer holds back
   the groups queued behind it: they are decoded in the same steps, which is what keeps an instance's batch full
   under a long-tailed length distribution.
@@ -70,16 +71,18 @@ class BusyLog:
 
 class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], newest_weights: Callable[[], tuple[int, str]] | None = None,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, *, keep_kv_cache: bool = True):
         """`chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches).
         `newest_weights` given (with `chunk_tokens` > 0): the partial-rollout baseline, which loads the newest
-        published version between chunks."""
+        published version between chunks. `keep_kv_cache`: on an engine with `open_session`, running rows keep
+        their KV cache between chunks instead of being re-encoded."""
         if newest_weights is not None and chunk_tokens < 1:
             raise ValueError("the partial-rollout baseline needs chunk_tokens >= 1")
         self._make_engine = make_engine
         self._newest_weights = newest_weights  # partial-rollout baseline only
         self._chunk = chunk_tokens
         self._partial = newest_weights is not None
+        self._keep_kv_cache = keep_kv_cache
         self._engine: RolloutEngine | None = None
         self._waiting: list[_Request] = []
         self._cond = threading.Condition()
@@ -161,7 +164,12 @@ class RolloutServer:
 
     def _serve(self, batch: list[_Request]) -> None:
         if self._chunk:
-            self._serve_chunked(batch)
+            if self._engine is None:
+                self._engine = self._make_engine()
+            if self._keep_kv_cache and hasattr(self._engine, "open_session"):
+                self._serve_session(batch)
+            else:
+                self._serve_chunked(batch)
             return
         engine = self._ensure(batch[0].version, batch[0].weights_path)
         start = time.time()
@@ -185,9 +193,7 @@ class RolloutServer:
             while pending or active:
                 active += [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
                 pending = []
-                requests = [r for r, _ in active]
-                engine = (self._load_newest(requests) if self._partial
-                          else self._ensure(requests[0].version, requests[0].weights_path))
+                engine = self._load_for([r for r, _ in active])
                 budget = engine.max_new_tokens
                 live = [s for _, states in active for s in states if not s.done(budget)]
                 if live:
@@ -214,6 +220,61 @@ class RolloutServer:
                 request.error = exc
                 request.done.set()
             raise
+
+    def _serve_session(self, batch: list[_Request]) -> None:
+        """Continuous batching with the KV cache kept between chunks (an engine with `open_session`): the same
+        turns as `_serve_chunked`, but a continuing response is re-encoded only when the loaded version changed
+        under it (the partial-rollout baseline), never otherwise."""
+        session = None
+        active: list[tuple[_Request, list[_Partial]]] = []
+        pending = list(batch)
+        chunk_index = 0
+        try:
+            while pending or active:
+                fresh = [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
+                active += fresh
+                pending = []
+                engine = self._load_for([r for r, _ in active])
+                budget = engine.max_new_tokens
+                live = {id(s): s for _, states in active for s in states if not s.done(budget)}
+                if session is None or session.version != engine.version:  # (re-)encode every live row
+                    session = engine.open_session()
+                    for key, s in live.items():
+                        session.add(key, s.prompt_ids + s.tokens)
+                else:
+                    for _, states in fresh:
+                        for s in states:
+                            session.add(id(s), s.prompt_ids)
+                if live:
+                    steps = {key: min(self._chunk, budget - len(s.tokens)) for key, s in live.items()}
+                    start = time.time()
+                    outs = session.decode(steps, active[0][0].seed + 7919 * chunk_index)
+                    chunk_index += 1
+                    self.busy.spans.append((start, time.time()))
+                    for key, g in outs.items():
+                        live[key].extend(g, budget - len(live[key].tokens))
+                    session.drop([key for key, s in live.items() if s.done(budget)])
+                still = []
+                for request, states in active:
+                    if all(s.done(budget) for s in states):
+                        request.result = [s.to_generation() for s in states]
+                        request.done.set()
+                    else:
+                        still.append((request, states))
+                active = still
+                with self._cond:  # requests that arrived during the chunk join the next one
+                    pending = self._take_joiners(self.version)
+        except BaseException as exc:
+            for request in [r for r, _ in active] + pending:
+                request.error = exc
+                request.done.set()
+            raise
+
+    def _load_for(self, requests: list[_Request]) -> RolloutEngine:
+        """The engine with the version these requests need loaded (partial baseline: the newest published)."""
+        if self._partial:
+            return self._load_newest(requests)
+        return self._ensure(requests[0].version, requests[0].weights_path)
 
     def _load_newest(self, requests: list[_Request]) -> RolloutEngine:
         """Load the newest published version (or a request's dispatch version, if that were newer)."""

@@ -84,6 +84,8 @@ class RolloutConfig:
     kv_cache_bytes: int = 64 * 2**20  # vLLM KV-cache memory; must be set on CPU
     chunk_tokens: int = 16  # continuous batching: finished groups leave and waiting ones (same version) join every
     #                         this many tokens; 0 = static batches (a batch runs until its longest response ends)
+    keep_kv_cache: bool = True  # continuous batching on the transformers engine keeps running rows' KV cache between
+    #                             chunks (false: prompt + tokens so far are re-encoded at every chunk)
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
 
     def validate(self) -> None:

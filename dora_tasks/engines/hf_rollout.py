@@ -9,8 +9,8 @@ log-softmax of the processed scores (`logits / temperature`, then top-p truncati
 log-prob, which is what a trainer recomputes. Greedy decoding (`do_sample=False`, for evaluation) records the raw
 log-softmax of the logits.
 
-Simplified: no continuous batching (a batch decodes until its longest row ends, which is the rollout bubble the
-scheduler measures), no KV-cache reuse across calls, and no partial rollout (weight swap mid-generation).
+`generate` decodes a batch until its longest row ends; the rollout server's continuous batching uses
+`open_session` (`dora_tasks.engines.hf_session`), which keeps the KV cache of running rows between chunks.
 """
 from __future__ import annotations
 
@@ -118,6 +118,14 @@ class HFRolloutEngine(RolloutEngine):
         return transformers.GenerationConfig(
             do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=list(self.eos_ids),
             pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True, **sampling)
+
+    def open_session(self):
+        """A `DecodeSession` on the loaded version: continuous batching with the KV cache kept across chunks."""
+        from dora_tasks.engines.hf_session import DecodeSession
+
+        sampling = self.generation_config.do_sample
+        return DecodeSession(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature,
+                             self.cfg.top_p, do_sample=sampling)
 
     def load_version(self, version: int, weights_path: str) -> None:
         with torch.no_grad():

@@ -1,0 +1,106 @@
+"""Continuous batching with the KV cache kept across chunks (`DecodeSession`): rows join, leave and continue between
+chunks, and every token's log-prob and every greedy token are those of a from-scratch computation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from dora_tasks.engines.hf_rollout import HFRolloutEngine
+from dora_tasks.engines.hf_session import _top_p
+from dora_tasks.model import CharTokenizer, build_model, save_policy
+from pipelines.config import ModelConfig, RolloutConfig
+
+TOK = CharTokenizer()
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2)
+PROMPTS = [[1, *TOK.encode(text)] for text in ("count 7 step 10:", "count 123 step 10:", "9:", "count 31415 step 2:")]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return save_policy(build_model(TINY, TOK.vocab_size, seed=0), TOK, str(tmp_path_factory.mktemp("policy")))
+
+
+def recomputed(model, prompt, tokens, temperature: float) -> np.ndarray:
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(tokens).long()[:, None])[:, 0].numpy()
+
+
+def run_session(session, chunk: int, budget: int) -> dict:
+    """Rows 0 and 1 start, rows 2 and 3 join after the first chunk; chunks of `chunk` tokens until every row ends."""
+    grown = {k: ([], []) for k in range(len(PROMPTS))}
+    finished = {}
+    for k in (0, 1):
+        session.add(k, PROMPTS[k])
+    for c in range(100):
+        if c == 1:
+            for k in (2, 3):
+                session.add(k, PROMPTS[k])
+        steps = {k: min(chunk, budget - len(grown[k][0])) for k in grown if k not in finished}
+        for k, g in session.decode(steps, seed=c).items():
+            grown[k][0].extend(g.token_ids.tolist())
+            grown[k][1].extend(g.logprobs.tolist())
+            if g.finished or len(grown[k][0]) >= budget:
+                finished[k] = g.finished
+        session.drop([k for k in finished])
+        if not len(session):
+            return {k: (toks, np.array(lps), finished[k]) for k, (toks, lps) in grown.items()}
+    raise AssertionError("the session never emptied")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_session_logprobs_equal_a_recompute_across_joins_and_chunks(policy, temperature):
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=40, temperature=temperature))
+    out = run_session(engine.open_session(), chunk=5, budget=40)
+    assert max(len(toks) for toks, _, _ in out.values()) > 10  # responses continue over several chunks
+    for k, (toks, lps, finished) in out.items():
+        np.testing.assert_allclose(lps, recomputed(engine.model, PROMPTS[k], toks, temperature), atol=1e-4)
+        assert finished == (toks[-1] in engine.eos_ids) and all(t not in engine.eos_ids for t in toks[:-1])
+
+
+def test_greedy_session_decodes_what_generate_decodes(policy):
+    """Joins (left padding to another length), leaving rows and chunk boundaries change nothing."""
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=30), do_sample=False)
+    out = run_session(engine.open_session(), chunk=4, budget=30)
+    reference = engine.generate(PROMPTS, n=1, seed=0)
+    for k, (toks, _, _) in out.items():
+        assert toks == reference[k][0].token_ids.tolist()
+
+
+def test_top_p_keeps_what_transformers_keeps():
+    scores = torch.randn(16, 50) * 3
+    for top_p in (0.3, 0.8, 0.95):
+        expected = TopPLogitsWarper(top_p)(None, scores.clone())
+        assert torch.equal(torch.isinf(_top_p(scores.clone(), top_p)), torch.isinf(expected))
+
+
+@pytest.mark.parametrize("chunk", [3, 16])
+def test_rollout_server_answers_the_same_with_and_without_the_kept_cache(policy, chunk):
+    """Greedy decoding through the continuously batched server: requests that join while others run get the same
+    tokens whether running rows keep their KV cache or are re-encoded at every chunk."""
+    import threading
+
+    from dora_tasks.rollout_server import RolloutServer
+
+    answers = {}
+    for keep in (True, False):
+        engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False, threads=None)
+        server = RolloutServer(lambda: engine, chunk_tokens=chunk, keep_kv_cache=keep)
+        got = {}
+
+        def ask(k):
+            got[k] = [g.token_ids.tolist() for g in server.generate(0, "", PROMPTS[k], 2, seed=k)]
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        server.close()
+        answers[keep] = got
+    assert answers[True] == answers[False] and len(answers[True]) == len(PROMPTS)
+    reference = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False).generate(PROMPTS, 1, 0)
+    assert all(answers[True][k][0] == reference[k][0].token_ids.tolist() for k in range(len(PROMPTS)))
