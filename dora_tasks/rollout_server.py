@@ -26,8 +26,8 @@ Partial-rollout baseline (``rollout.partial_rollout``, comparison only, never th
 but the newest published version is loaded between chunks, as AReaL/slime-style partial rollout does, and waiting
 requests of any dispatch version join (the instance serves the newest). In-flight responses continue across the
 weight update: each chunk is generated from the prompt plus the tokens so far under the weights loaded at that moment
-(the KV cache is recomputed with the new weights, as AReaL's interruptible generation does), so every token's
-log-prob and version are those of the version that produced it, and a trajectory's per-token versions record the
+(after a load the KV cache is recomputed with the new weights, as AReaL's interruptible generation does), so every
+token's log-prob and version are those of the version that produced it, and a trajectory's per-token versions record the
 mix (C1 is broken on purpose; the audit reports it and the gate, with ``allow_mixed_versions``, lets the run finish).
 The group's dispatch version is still what the orchestrator, the capacity rule and the gate count.
 
