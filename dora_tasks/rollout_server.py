@@ -205,20 +205,9 @@ class RolloutServer:
                     self.busy.spans.append((start, time.time()))
                     for s, (g,) in zip(live, outs):
                         s.extend(g, budget - len(s.tokens))
-                still = []
-                for request, states in active:
-                    if all(s.done(budget) for s in states):
-                        request.result = [s.to_generation() for s in states]
-                        request.done.set()
-                    else:
-                        still.append((request, states))
-                active = still
-                with self._cond:  # requests that arrived during the chunk join the next one
-                    pending = self._take_joiners(self.version)
+                active, pending = self._end_turn(active, budget)
         except BaseException as exc:
-            for request in [r for r, _ in active] + pending:
-                request.error = exc
-                request.done.set()
+            _fail([r for r, _ in active] + pending, exc)
             raise
 
     def _serve_session(self, batch: list[_Request]) -> None:
@@ -254,21 +243,16 @@ class RolloutServer:
                     for key, g in outs.items():
                         live[key].extend(g, budget - len(live[key].tokens))
                     session.drop([key for key, s in live.items() if s.done(budget)])
-                still = []
-                for request, states in active:
-                    if all(s.done(budget) for s in states):
-                        request.result = [s.to_generation() for s in states]
-                        request.done.set()
-                    else:
-                        still.append((request, states))
-                active = still
-                with self._cond:  # requests that arrived during the chunk join the next one
-                    pending = self._take_joiners(self.version)
+                active, pending = self._end_turn(active, budget)
         except BaseException as exc:
-            for request in [r for r, _ in active] + pending:
-                request.error = exc
-                request.done.set()
+            _fail([r for r, _ in active] + pending, exc)
             raise
+
+    def _end_turn(self, active: list, budget: int) -> tuple[list, list[_Request]]:
+        """Answer the requests whose responses all ended; those that arrived during the chunk join the next one."""
+        active = _hand_back_finished(active, budget)
+        with self._cond:
+            return active, self._take_joiners(self.version)
 
     def _load_for(self, requests: list[_Request]) -> RolloutEngine:
         """The engine with the version these requests need loaded (partial baseline: the newest published)."""
@@ -291,6 +275,24 @@ class RolloutServer:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+
+def _hand_back_finished(active: list[tuple[_Request, list["_Partial"]]], budget: int) -> list:
+    """Answer the requests whose responses all ended; the others stay active."""
+    still = []
+    for request, states in active:
+        if all(s.done(budget) for s in states):
+            request.result = [s.to_generation() for s in states]
+            request.done.set()
+        else:
+            still.append((request, states))
+    return still
+
+
+def _fail(requests: list[_Request], exc: BaseException) -> None:
+    for request in requests:
+        request.error = exc
+        request.done.set()
 
 
 @dataclass

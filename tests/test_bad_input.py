@@ -75,10 +75,10 @@ def test_a_worker_paused_by_its_memory_limit_stops_the_run_with_a_clear_error(sm
 
     cfg = small_config("cluster.paused_timeout_s=2")
     start = time.time()
-    with dask.config.set({"distributed.worker.memory.pause": 0.01, "distributed.worker.memory.terminate": False,
-                          "distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}):
-        with pytest.raises(ClusterError) as err:
-            run_pipeline(cfg)
+    memory = {"distributed.worker.memory.pause": 0.01, "distributed.worker.memory.terminate": False,
+              "distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}
+    with dask.config.set(memory), pytest.raises(ClusterError) as err:
+        run_pipeline(cfg)
     message = str(err.value)
     assert "paused by Dask's memory monitor" in message and "cluster.worker_memory" in message
     assert "GiB limit" in message and "tcp://" in message

@@ -200,7 +200,8 @@ def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_no
     from pipelines.driver import Driver, InFlight
 
     class Client:
-        cancelled: list = []
+        def __init__(self):
+            self.cancelled = []
 
         def cancel(self, futures):
             self.cancelled += futures

@@ -85,22 +85,20 @@ def test_rollout_server_answers_the_same_with_and_without_the_kept_cache(policy,
 
     from dora_tasks.rollout_server import RolloutServer
 
+    def ask(server, k, got):
+        got[k] = [g.token_ids.tolist() for g in server.generate(0, "", PROMPTS[k], 2, seed=k)]
+
     answers = {}
     for keep in (True, False):
         engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False, threads=None)
-        server = RolloutServer(lambda: engine, chunk_tokens=chunk, keep_kv_cache=keep)
-        got = {}
-
-        def ask(k):
-            got[k] = [g.token_ids.tolist() for g in server.generate(0, "", PROMPTS[k], 2, seed=k)]
-
-        threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(PROMPTS))]
+        server = RolloutServer(lambda e=engine: e, chunk_tokens=chunk, keep_kv_cache=keep)
+        answers[keep] = {}
+        threads = [threading.Thread(target=ask, args=(server, k, answers[keep])) for k in range(len(PROMPTS))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
         server.close()
-        answers[keep] = got
     assert answers[True] == answers[False] and len(answers[True]) == len(PROMPTS)
     reference = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False).generate(PROMPTS, 1, 0)
     assert all(answers[True][k][0] == reference[k][0].token_ids.tolist() for k in range(len(PROMPTS)))
