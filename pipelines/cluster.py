@@ -118,18 +118,17 @@ class PausedWorkers:
     limit no task starts there): a warning at once, a `ClusterError` once one stayed paused `timeout_s`, instead of
     a run that waits forever for tasks that cannot start."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self.since: dict[str, float] = {}
 
-    def check(self, workers: Workers, now: float | None = None) -> None:
+    def check(self, workers: Workers, timeout_s: float, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.since = {a: self.since.get(a, now) for a in workers.paused}
         for address, what in workers.paused.items():
             paused_s = now - self.since[address]
             if paused_s == 0:
                 log.warning("worker %s (%s) is paused by Dask's memory monitor", address, what)
-            elif paused_s >= self.timeout_s:
+            elif paused_s >= timeout_s:
                 raise ClusterError(
                     f"worker {address} ({what}) has been paused by Dask's memory monitor for {paused_s:.0f} s, so "
                     "no task starts on it and the run cannot go on; give it more memory: cluster.worker_memory "

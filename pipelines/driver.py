@@ -98,7 +98,7 @@ class Driver:
     last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
     _synced: float = 0.0
-    _paused: PausedWorkers | None = None
+    _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
     # ---- cluster membership --------------------------------------------------------------------------------------
@@ -117,10 +117,8 @@ class Driver:
 
     def check_workers(self) -> Workers:
         """The cluster's labelled workers; raises `ClusterError` once one has stayed paused too long."""
-        if self._paused is None:
-            self._paused = PausedWorkers(self.cfg.cluster.paused_timeout_s)
         workers = labelled_workers(self.client)
-        self._paused.check(workers)
+        self._paused.check(workers, self.cfg.cluster.paused_timeout_s)
         return workers
 
     def restart_groups_of(self, address: str) -> None:

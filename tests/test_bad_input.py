@@ -83,3 +83,19 @@ def test_a_worker_paused_by_its_memory_limit_stops_the_run_with_a_clear_error(sm
     assert "paused by Dask's memory monitor" in message and "cluster.worker_memory" in message
     assert "GiB limit" in message and "tcp://" in message
     assert time.time() - start < 120
+
+
+def test_paused_workers_warn_at_once_and_fail_only_after_the_timeout():
+    from pipelines.cluster import PausedWorkers, Workers
+
+    def workers(paused):
+        return Workers({"tcp://r": 4}, ["tcp://t"], [], paused)
+
+    watch = PausedWorkers()
+    watch.check(workers({"tcp://r": "rollout instance"}), 60.0, now=100.0)  # first seen: a warning only
+    watch.check(workers({"tcp://r": "rollout instance"}), 60.0, now=150.0)
+    watch.check(workers({}), 60.0, now=155.0)  # resumed: the clock starts again
+    watch.check(workers({"tcp://r": "rollout instance"}), 60.0, now=156.0)
+    watch.check(workers({"tcp://r": "rollout instance"}), 60.0, now=200.0)
+    with pytest.raises(ClusterError, match=r"tcp://r \(rollout instance\) has been paused .* for 60 s"):
+        watch.check(workers({"tcp://r": "rollout instance"}), 60.0, now=216.0)

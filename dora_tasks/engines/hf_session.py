@@ -11,7 +11,7 @@ Sampling and log-probs follow `HFRolloutEngine` (see its module): temperature, t
 under the distribution it was sampled from; greedy picks the argmax and records the raw log-softmax.
 
 One session serves one loaded version (the rollout server never swaps weights under live rows, C1); the
-partial-rollout baseline, which does, re-encodes instead.
+partial-rollout baseline, which does, opens a new session after each load and re-encodes its rows into it.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from dora_tasks.engines.hf_rollout import left_pad
 from dora_tasks.records import Generation
 
 
@@ -43,8 +44,6 @@ class DecodeSession:
 
     def add(self, key: Hashable, ids: Sequence[int]) -> None:
         """Queue a row (its prompt, or prompt + tokens so far); it is prefilled at the next `decode`."""
-        if len(ids) == 0:
-            raise ValueError("empty prompt: a prompt needs at least its bos token")
         self._joining.append((key, list(ids)))
 
     def drop(self, keys: Sequence[Hashable]) -> None:
@@ -97,7 +96,7 @@ class DecodeSession:
 
     def _step(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Feed `tokens` to `rows` (the other rows are idle this step: they stay, and get a masked column)."""
-        n, width = len(self.keys), self.mask.shape[1]
+        n = len(self.keys)
         ids = torch.full((n, 1), self.pad_id, dtype=torch.long)
         ids[rows, 0] = tokens
         column = torch.zeros((n, 1), dtype=torch.long)
@@ -108,18 +107,12 @@ class DecodeSession:
         self.mask = mask
         self.positions = self.positions + column[:, 0]
         self.next_logits = torch.where(column.bool(), logits, self.next_logits)
-        assert self.cache.get_seq_length() == width + 1
 
     def _prefill_joiners(self) -> None:
         if not self._joining:
             return
         keys = [k for k, _ in self._joining]
-        width = max(len(ids) for _, ids in self._joining)
-        ids = torch.full((len(keys), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(keys), width), dtype=torch.long)
-        for row, (_, prompt) in enumerate(self._joining):
-            ids[row, width - len(prompt):] = torch.as_tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+        ids, mask = left_pad([prompt for _, prompt in self._joining], self.pad_id)
         self._joining = []
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
