@@ -153,10 +153,14 @@ class RolloutServer:
         self._waiting = [r for r in self._waiting if r.version != version]
         return batch
 
-    def _ensure(self, version: int, weights_path: str) -> RolloutEngine:
+    def _started(self) -> RolloutEngine:
+        """The engine, created on first use (start-up takes seconds)."""
         if self._engine is None:
             self._engine = self._make_engine()
-        if self._engine.version != version:
+        return self._engine
+
+    def _ensure(self, version: int, weights_path: str) -> RolloutEngine:
+        if self._started().version != version:
             start = time.time()
             self._engine.load_version(version, weights_path)
             self.loads.append((version, start, time.time()))
@@ -164,9 +168,7 @@ class RolloutServer:
 
     def _serve(self, batch: list[_Request]) -> None:
         if self._chunk:
-            if self._engine is None:
-                self._engine = self._make_engine()
-            if self._keep_kv_cache and hasattr(self._engine, "open_session"):
+            if self._keep_kv_cache and hasattr(self._started(), "open_session"):
                 self._serve_session(batch)
             else:
                 self._serve_chunked(batch)

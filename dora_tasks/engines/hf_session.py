@@ -122,7 +122,7 @@ class DecodeSession:
 
     def _merge(self, keys: list, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor,
                logits: torch.Tensor) -> None:
-        if self.cache is None or not self.keys:
+        if not self.keys:  # empty session (no cache yet, or every row gone)
             self.keys, self.cache, self.mask, self.positions, self.next_logits = keys, cache, mask, positions, logits
             return
         width = max(self.mask.shape[1], mask.shape[1])
