@@ -46,12 +46,18 @@ for _k, _v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 import numpy as np
 
-MODES = [  # (name, overrides)
-    ("sync K=0", ["dora.max_staleness=0"]),
-    ("one-step off-policy K=1", ["dora.max_staleness=1"]),
-    ("partial rollout K=1", ["dora.max_staleness=1", "rollout.partial_rollout=true"]),
-    ("DORA K=2", ["dora.max_staleness=2"]),
-    ("DORA K=3", ["dora.max_staleness=3"]),
+# The config's cluster shape gives rollout and training one core each (1 rollout instance, 1 trainer: disjoint
+# hardware, the DORA paper's setting); COLOCATED runs two rollout instances, so synchronous rollout has both cores
+# while the trainer waits (the colocated setting of verl and TRL), which is the faster shape for K=0 here.
+COLOCATED = ["rollout.instances=2", "rollout.slots=8"]
+MODES = [  # (name, overrides, cluster shape: overrides of the embedded cluster; [] = the config's)
+    ("sync K=0", ["dora.max_staleness=0"], []),
+    ("one-step off-policy K=1", ["dora.max_staleness=1"], []),
+    ("partial rollout K=1", ["dora.max_staleness=1", "rollout.partial_rollout=true"], []),
+    ("DORA K=2", ["dora.max_staleness=2"], []),
+    ("DORA K=3", ["dora.max_staleness=3"], []),
+    ("sync K=0 colocated", ["dora.max_staleness=0"], COLOCATED),
+    ("DORA K=3 colocated", ["dora.max_staleness=3"], COLOCATED),
 ]
 QUICK = ["dora.train_batch_size=4", "dora.rollout_batch_size=8", "rollout.group_size=4", "task.eval_prompts=16"]
 COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat
@@ -60,7 +66,7 @@ COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat
     ("non-overlapped rollout", "non_overlapped_rollout_share", "{:.0%}"), ("max staleness", "max_staleness", "{}"),
     ("C1 violations", "c1_text", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
     ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s", "time_to_target_s", "{:.1f}"),
-    ("speed-up vs K=0", "speedup_text", "{}"),
+    ("speed-up vs K=0 (same shape)", "speedup_text", "{}"), ("vs fastest K=0", "speedup_best_text", "{}"),
 ]
 log = logging.getLogger("compare_modes")
 
@@ -127,6 +133,46 @@ def worker_roles(client) -> dict[int, str]:
     return roles
 
 
+def shape_text(cfg) -> str:
+    return f"{cfg.rollout.instances} rollout x {cfg.rollout.slots} slots + 1 trainer"
+
+
+class Clusters:
+    """One embedded cluster at a time, started for the shape the next mode needs (and kept while it stays the same),
+    with a `CpuSampler` over its workers."""
+
+    def __init__(self, config: str, base: list[str]) -> None:
+        self.config, self.base = config, base
+        self.shape: list[str] | None = None
+        self.cluster = self.client = self.sampler = None
+
+    def get(self, shape: list[str]):
+        from distributed import Client
+
+        from pipelines.cluster import embedded_cluster
+        from pipelines.config import load_config
+
+        if shape != self.shape:
+            self.close()
+            cfg = load_config(self.config, self.base + shape)
+            say(f"cluster: {shape_text(cfg)}, {cfg.cluster.cpu_workers} CPU worker")
+            self.cluster = embedded_cluster(cfg)
+            self.client = Client(self.cluster)
+            self.client.wait_for_workers(cfg.rollout.instances + 1 + cfg.cluster.cpu_workers, timeout=600)
+            self.sampler = CpuSampler(worker_roles(self.client))
+            self.sampler.start()
+            self.shape = shape
+        return self.cluster.scheduler_address, self.client, self.sampler
+
+    def close(self) -> None:
+        if self.cluster is None:
+            return
+        self.sampler.halt.set()
+        self.client.close()
+        self.cluster.close()
+        self.shape = self.cluster = self.client = self.sampler = None
+
+
 # ---- one mode ----------------------------------------------------------------------------------------------------
 def run_mode(name: str, overrides: list[str], base: list[str], args, address: str, client, sampler: CpuSampler,
              repeat: int = 0) -> dict:
@@ -136,7 +182,7 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
 
-    slug = name.split()[0].lower() + "_" + "".join(c for c in name.split()[-1] if c.isalnum()).lower()
+    slug = "_".join("".join(c for c in word if c.isalnum()).lower() for word in name.split())
     run_dir = os.path.abspath(os.path.join(args.out, "runs", f"{slug}_r{repeat}"))
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(args.config, base + overrides + [f"cluster.scheduler_address={address}",
@@ -152,6 +198,7 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
     m = summary.metrics
     row = {
         "mode": name, "repeat": repeat, "overrides": overrides, "run_dir": run_dir, "max_staleness_allowed": cfg.dora.max_staleness,
+        "shape": shape_text(cfg),
         "throughput_tokens_per_s": m["throughput_tokens_per_s"], "step_time_s": m["step_time_s"],
         "rollout_bubble": m["rollout_bubble"], "trainer_bubble": m["trainer_bubble"],
         "non_overlapped_rollout_share": m["non_overlapped_rollout_share"], "wall_s": m["wall_s"],
@@ -358,14 +405,20 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
 
 # ---- table -------------------------------------------------------------------------------------------------------
 def finish_runs(runs: list[dict], target: float, n: int) -> None:
-    """Per run: initial/final accuracy, time to target, and speed-up over the K=0 run of the same repeat."""
+    """Per run: initial/final accuracy, time to target, speed-up over the K=0 run of the same repeat on the same
+    cluster shape (TRL: on the config's shape) and over the fastest K=0 run of that repeat (any shape)."""
     for run in runs:
         acc = run.get("accuracy") or {}
         if acc:
             run["initial_accuracy"], run["final_accuracy"] = acc.get(0, float("nan")), acc.get(n, float("nan"))
         run["time_to_target_s"] = time_to_target(run["accuracy_curve"], target)
-        base = next((r for r in runs if r["mode"].startswith("sync") and r.get("repeat") == run.get("repeat")), None)
-        run["speedup"] = run["throughput_tokens_per_s"] / base["throughput_tokens_per_s"] if base else float("nan")
+        syncs = [r for r in runs if r["mode"].startswith("sync") and r.get("repeat") == run.get("repeat")]
+        shape = run.get("shape", syncs[0]["shape"] if syncs else None)
+        base = next((r for r in syncs if r["shape"] == shape), None)
+        fastest = max(syncs, key=lambda r: r["throughput_tokens_per_s"], default=None)
+        tput = run["throughput_tokens_per_s"]
+        run["speedup"] = tput / base["throughput_tokens_per_s"] if base else float("nan")
+        run["speedup_best"] = tput / fastest["throughput_tokens_per_s"] if fastest else float("nan")
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -383,7 +436,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
         median_ttt = float(np.median(ttt))
         row = {k: mean(k) for k in ("throughput_tokens_per_s", "step_time_s", "rollout_bubble", "trainer_bubble",
                                     "non_overlapped_rollout_share", "initial_accuracy", "final_accuracy", "wall_s",
-                                    "speedup")}
+                                    "speedup", "speedup_best")}
         row.update({
             "mode": mode, "repeats": len(mine),
             "throughput_text": f"{row['throughput_tokens_per_s']:.0f} ({' / '.join(f'{t:.0f}' for t in tput)})",
@@ -391,9 +444,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
             "c1_text": " / ".join(str(r["c1_violations"]) for r in mine),
             "accuracy_text": f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}",
             "time_to_target_s": None if math.isinf(median_ttt) else median_ttt,
-            "speedup_runs": [r["speedup"] for r in mine],
         })
-        row["speedup_text"] = f"{row['speedup']:.2f}x ({' / '.join(f'{x:.2f}' for x in row['speedup_runs'])})"
+        for key in ("speedup", "speedup_best"):
+            row[f"{key}_text"] = f"{row[key]:.2f}x ({' / '.join(f'{r[key]:.2f}' for r in mine)})"
         rows.append(row)
     return rows
 
@@ -471,13 +524,12 @@ def main(argv=None) -> int:
                         help="evaluate every N-th version after the runs, off the clock (default 2)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (order reversed every other round)")
     parser.add_argument("--modes", default="", help="comma-separated subset of mode names' first words, e.g. sync,DORA")
+    parser.add_argument("--no-colocated", action="store_true",
+                        help="leave out the modes on the colocated cluster shape (COLOCATED)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every mode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from distributed import Client
-
-    from pipelines.cluster import embedded_cluster
     from pipelines.config import load_config
     from pipelines.driver import initial_policy
 
@@ -495,29 +547,24 @@ def main(argv=None) -> int:
     base.append(f"model.path={model_path}")
     cfg = load_config(args.config, base)
     os.makedirs(args.out, exist_ok=True)
-    modes = [(name, o) for name, o in MODES
-             if not args.modes or name.split()[0].lower() in args.modes.lower().split(",")]
+    modes = [(name, o, shape) for name, o, shape in MODES
+             if (not args.modes or name.split()[0].lower() in args.modes.lower().split(","))
+             and (shape == [] or not args.no_colocated)]
     say(f"model {model_path}; {len(modes)} modes x {n} updates x TBS {cfg.dora.train_batch_size} x G "
-        f"{cfg.rollout.group_size}; {cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS "
-        f"{cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        f"{cfg.rollout.group_size}; RBS {cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     runs: list[dict] = []
-    cluster = embedded_cluster(cfg)
+    clusters = Clusters(args.config, base)
     try:
-        with Client(cluster) as client:
-            client.wait_for_workers(cfg.rollout.instances + 1 + cfg.cluster.cpu_workers, timeout=600)
-            sampler = CpuSampler(worker_roles(client))
-            sampler.start()
-            for repeat in range(args.repeats):  # forward, then backward: drifting machine load hits every mode
-                for name, overrides in (modes if repeat % 2 == 0 else modes[::-1]):
-                    runs.append(run_mode(name, overrides, base, args, cluster.scheduler_address, client, sampler,
-                                         repeat))
-            sampler.halt.set()
-            say("held-out accuracy of intermediate versions (off the clock)")
-            accuracy_curves(runs, cfg, client, args.eval_every if args.eval_every is not None else 2)
+        for repeat in range(args.repeats):  # forward, then backward: drifting machine load hits every mode
+            for name, overrides, shape in (modes if repeat % 2 == 0 else modes[::-1]):
+                address, client, sampler = clusters.get(shape)
+                runs.append(run_mode(name, shape + overrides, base, args, address, client, sampler, repeat))
+        say("held-out accuracy of intermediate versions (off the clock)")
+        accuracy_curves(runs, cfg, clusters.get(clusters.shape)[1], args.eval_every if args.eval_every is not None else 2)
     finally:
-        cluster.close()
-    order = [name for name, _ in modes]
+        clusters.close()
+    order = [name for name, _, _ in modes]
     runs.sort(key=lambda r: (order.index(r["mode"]), r["repeat"]))
     base_final = [r["accuracy"].get(n) for r in runs if r["mode"].startswith("sync")]
     target = args.target if args.target is not None else (float(np.mean(base_final)) if base_final else 0.0)
@@ -546,8 +593,8 @@ def main(argv=None) -> int:
          f" {n} updates x TBS {cfg.dora.train_batch_size} x G {cfg.rollout.group_size} = "
          f"{n * cfg.dora.train_batch_size * cfg.rollout.group_size} trained trajectories per run; {args.repeats} "
          f"run(s) per mode (forward then reverse order), table = mean, (a / b) = each run; "
-         f"{cfg.rollout.instances} rollout instances x {cfg.rollout.slots} slots, RBS {cfg.dora.rollout_batch_size}, "
-         f"1 trainer, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`."),
+         f"cluster shape {shape_text(cfg)} (modes marked colocated: {' '.join(COLOCATED)}), RBS "
+         f"{cfg.dora.rollout_batch_size}, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`."),
         (f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'final accuracy of sync K=0'}); "
          f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts."),
         (f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "

@@ -119,7 +119,7 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
 
     from dora_tasks.warmstart import evaluate
     from dora_tasks.workloads.datasets import load_prompts
-    from dora_tasks.workloads.rewards import resolve_reward_fn, score
+    from dora_tasks.workloads.rewards import resolve_reward_fn, score_all
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     char = load_tokenizer(model_path)
@@ -131,7 +131,8 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
     reward_fn = resolve_reward_fn(cfg.task.reward_fn)
 
     def countdown_reward(prompts, completions, answer, **kwargs):
-        return [score(reward_fn, p, c, a, cfg.task.reward_timeout_s)[0] for p, c, a in zip(prompts, completions, answer)]
+        calls = list(zip(prompts, completions, answer))
+        return [value for value, _ in score_all(reward_fn, calls, cfg.task.reward_timeout_s)]
 
     rows = tbs * g
     micro = max(d for d in range(1, min(rows, cfg.train.micro_batch) + 1) if rows % d == 0 and d % g == 0) \

@@ -49,12 +49,12 @@ def _reward_fn(dotted: str):
 
 def reward(group: Group, model_path: str, reward_fn: str, timeout_s: float) -> Group:
     """Score every response; an exception or a timeout is recorded on the trajectory, never raised."""
-    from dora_tasks.workloads.rewards import score
+    from dora_tasks.workloads.rewards import score_all
 
     tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
-    for t in group.trajectories:
-        text = tokenizer.decode(t.response_ids)
-        t.reward, t.reward_error = score(fn, group.prompt.text, text, group.prompt.answer, timeout_s)
+    calls = [(group.prompt.text, tokenizer.decode(t.response_ids), group.prompt.answer) for t in group.trajectories]
+    for t, (value, error) in zip(group.trajectories, score_all(fn, calls, timeout_s)):
+        t.reward, t.reward_error = value, error
     return group
 
 

@@ -32,7 +32,7 @@ from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_po
 from dora_tasks.records import Prompt
 from dora_tasks.workloads import countdown
 from dora_tasks.workloads.datasets import load_prompts
-from dora_tasks.workloads.rewards import score
+from dora_tasks.workloads.rewards import score_all
 from pipelines.config import Config, RolloutConfig
 
 SETTINGS_FILE = "warmstart.json"
@@ -185,15 +185,15 @@ def rewards_of(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = N
 
     `policy` is a model folder, an in-memory model, or a `RolloutEngine` (used as it is configured); responses are
     sampled at `temperature` or greedy. `reward_fn` defaults to the countdown reward and is run through
-    `rewards.score` (a failed or timed-out reward is nan, which counts as wrong); `tokenizer` defaults to the
+    `rewards.score_all` (a failed or timed-out reward is nan, which counts as wrong); `tokenizer` defaults to the
     folder's, else the built-in character tokenizer.
     """
     engine = evaluation_engine(policy, greedy, max_new_tokens, temperature)
     tokenizer = tokenizer or (load_tokenizer(policy) if isinstance(policy, str) else CharTokenizer())
     reward_fn = reward_fn or countdown.reward
     generations = engine.generate([p.token_ids for p in prompts], 1, seed)
-    return np.array([score(reward_fn, p.text, tokenizer.decode(g[0].token_ids), p.answer, EVAL_REWARD_TIMEOUT_S)[0]
-                     for p, g in zip(prompts, generations)], dtype=np.float32)
+    calls = [(p.text, tokenizer.decode(g[0].token_ids), p.answer) for p, g in zip(prompts, generations)]
+    return np.array([value for value, _ in score_all(reward_fn, calls, EVAL_REWARD_TIMEOUT_S)], dtype=np.float32)
 
 
 def evaluation_engine(policy, greedy: bool, max_new_tokens: int, temperature: float) -> RolloutEngine:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from dora_tasks.model import BOS_ID, CharTokenizer
 from dora_tasks.workloads import countdown, rewards
 from dora_tasks.workloads.datasets import DatasetError, load_prompts
-from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn, score
+from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn, score, score_all
 from pipelines.config import TaskConfig
 
 TOK = CharTokenizer()
@@ -168,6 +169,30 @@ def test_score_records_failures_and_never_raises():
     for bad in (float("nan"), float("inf"), "1.0", None):
         reward, error = score(lambda *a, value=bad: value, "p", "r", "a", 1.0)
         assert math.isnan(reward) and error.startswith("non-number:"), (bad, error)
+
+
+def test_score_all_scores_in_order_with_one_thread_until_a_timeout():
+    threads = []
+
+    def fn(prompt, response, answer):
+        threads.append(threading.get_ident())
+        if response == "hang":
+            time.sleep(2)
+        if response == "bad":
+            raise ValueError("bad")
+        return float(response == answer)
+
+    calls = [("p", r, "a") for r in ("a", "b", "bad", "a", "hang", "a", "b")]
+    start = time.perf_counter()
+    results = score_all(fn, calls, 0.2)
+    assert time.perf_counter() - start < 1.5
+    assert [r for r, _ in results][:2] == [1.0, 0.0] and results[3] == (1.0, "") and results[5:] == [(1.0, ""), (0.0, "")]
+    assert math.isnan(results[2][0]) and results[2][1] == "ValueError: bad"
+    assert math.isnan(results[4][0]) and results[4][1] == "timeout"
+    assert len(set(threads[:5])) == 1 and len(set(threads[5:])) == 1 and threads[5] != threads[0]
+    assert threading.get_ident() not in threads
+    time.sleep(2.0)  # the abandoned thread wakes up and stops: it scores nothing more
+    assert len(threads) == 7
 
 
 def test_math_verify_reward():

@@ -7,18 +7,23 @@ countdown task's own reward. `score(fn, ...)` runs it with a timeout and returns
 
 Adapters: `math_verify_reward` (answers of math datasets, through the `math-verify` package) and
 `reasoning_gym_reward` (the scorer of a `reasoning-gym` task, imported lazily since the package is optional).
+`score_all(fn, calls, timeout_s)` scores many responses (a group) with one hand-over to a scoring thread.
 
 Simplified: the timeout runs the function in a daemon thread and stops waiting after `timeout_s`; Python cannot kill a
 thread, so a function stuck in pure Python keeps its thread (and one CPU) until it returns. A process per call would
 give hard timeouts at ~10 ms a call, too dear for the rewards of every trajectory; reward functions are expected to
-be cheap and a timeout to be rare.
+be cheap and a timeout to be rare. The calls of one `score_all` run one after the other in one thread (a fresh one
+after a timeout): in a process whose other threads are busy (a Dask worker's event loop), every hand-over between
+threads waits for the interpreter's switch interval (5 ms), which a thread per call paid for every response.
 """
 from __future__ import annotations
 
 import importlib
 import math
 import numbers
+import queue
 import threading
+from collections.abc import Sequence
 from typing import Callable
 
 from dora_tasks.workloads import countdown
@@ -52,22 +57,38 @@ def resolve_reward_fn(dotted: str) -> RewardFn:
 
 def score(fn: RewardFn, prompt_text: str, response_text: str, answer: str, timeout_s: float) -> tuple[float, str]:
     """`(reward, "")` on success; `(nan, "timeout" | "<ExcType>: msg" | "non-number: ...")` otherwise. Never raises."""
-    outcome: dict[str, object] = {}
+    return score_all(fn, [(prompt_text, response_text, answer)], timeout_s)[0]
 
-    def call() -> None:
+
+def score_all(fn: RewardFn, calls: Sequence[tuple[str, str, str]], timeout_s: float) -> list[tuple[float, str]]:
+    """`score` of every `(prompt_text, response_text, answer)`, in order, each with its own `timeout_s`."""
+    results: list[tuple[float, str]] = []
+    while len(results) < len(calls):
+        pending = calls[len(results):]
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        abandoned = threading.Event()
+        threading.Thread(target=_call_each, args=(fn, pending, done, abandoned), name="reward-fn",
+                         daemon=True).start()
+        for _ in pending:
+            try:
+                results.append(done.get(timeout=timeout_s))
+            except queue.Empty:  # this call hangs: its thread is left behind, the next calls get a new one
+                abandoned.set()
+                results.append((float("nan"), "timeout"))
+                break
+    return results
+
+
+def _call_each(fn: RewardFn, calls: Sequence[tuple[str, str, str]], done: queue.SimpleQueue,
+               abandoned: threading.Event) -> None:
+    for prompt_text, response_text, answer in calls:
+        if abandoned.is_set():
+            return
         try:
-            outcome["value"] = fn(prompt_text, response_text, answer)
+            outcome = as_reward(fn(prompt_text, response_text, answer))
         except BaseException as exc:  # noqa: BLE001 - anything the user's function raises is recorded
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-
-    worker = threading.Thread(target=call, name="reward-fn", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return float("nan"), "timeout"
-    if "error" in outcome:
-        return float("nan"), str(outcome["error"])
-    return as_reward(outcome.get("value"))
+            outcome = (float("nan"), f"{type(exc).__name__}: {exc}")
+        done.put(outcome)
 
 
 def as_reward(value: object) -> tuple[float, str]:
