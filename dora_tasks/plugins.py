@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from distributed import WorkerPlugin, get_worker
 
+from dora_tasks.allocator import relax_malloc_trimming
 from pipelines.config import RolloutConfig, TrainConfig
 
 ROLLOUT_PLUGIN = "dora-rollout"
@@ -30,6 +31,7 @@ def _set_worker_env() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    relax_malloc_trimming()  # the nanny's MALLOC_TRIM_THRESHOLD_ doubles a train step's time (allocator.py)
 
 
 @dataclass
