@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import torch
 import transformers
@@ -191,8 +192,21 @@ def load_tokenizer(path: str) -> CharTokenizer | HFTokenizer:
                              f"a Hugging Face tokenizer ({type(exc).__name__}: {exc})") from None
 
 
+_LOADING = threading.Lock()
+
+
+def load_causal_lm(path: str) -> transformers.PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(path)` in fp32, one load at a time per process.
+
+    transformers' loading is not thread-safe: four threads of one process loading the same tied-embedding folder at
+    once got `lm_head.weight` reported MISSING and newly initialised (held-out accuracy 0.0 instead of 0.328). Dask
+    runs tasks of a worker in threads (an evaluation per CPU-worker thread, a rollout instance with several slots),
+    so every model load of the project goes through here."""
+    with _LOADING:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def load_policy(path: str) -> tuple[transformers.Qwen2ForCausalLM, CharTokenizer]:
     """Load a model folder written by `save_policy` (fp32, eval mode) and its tokenizer."""
     tokenizer = load_tokenizer(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval(), tokenizer
+    return load_causal_lm(path).eval(), tokenizer

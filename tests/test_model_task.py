@@ -18,6 +18,22 @@ from pipelines.config import Config, ModelConfig, RolloutConfig, load_config
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
 
 
+def test_policy_folders_load_right_from_concurrent_threads(tmp_path):
+    """Dask runs a worker's tasks in threads: loads of one folder at the same moment must all get its weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = CharTokenizer()
+    model = build_model(TINY, tok.vocab_size)
+    save_policy(model, tok, str(tmp_path))
+    ids = torch.tensor([[BOS_ID, *tok.encode("count 5 step 10:")]])
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: load_policy(str(tmp_path))[0], range(8)))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for other in loaded:
+            torch.testing.assert_close(other(input_ids=ids).logits, expected)
+
+
 def test_tokenizer_round_trip_and_specials(tmp_path):
     tok = CharTokenizer()
     text = "count 374 step 10: 374 364\n{x} ~!"

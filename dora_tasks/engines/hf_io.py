@@ -34,9 +34,9 @@ def default_device() -> torch.device:
 
 def load_policy(model_path: str, device: torch.device | str = "cpu", trainable: bool = True):
     """AutoModelForCausalLM in fp32 on `device`, dropout off; frozen (no grads) when not `trainable`."""
-    from transformers import AutoModelForCausalLM
+    from dora_tasks.model import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model = load_causal_lm(model_path).to(device)
     model.eval()
     if not trainable:
         model.requires_grad_(False)

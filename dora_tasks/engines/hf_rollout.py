@@ -25,7 +25,7 @@ import transformers
 from safetensors.torch import load_file
 
 from dora_tasks.contracts import RolloutEngine
-from dora_tasks.model import EOS_ID, PAD_ID
+from dora_tasks.model import EOS_ID, PAD_ID, load_causal_lm
 from dora_tasks.records import Generation
 from pipelines.config import RolloutConfig
 
@@ -94,7 +94,7 @@ class HFRolloutEngine(RolloutEngine):
         the process setting)."""
         if threads is not None:
             torch.set_num_threads(threads)
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = load_causal_lm(model_path)
         self._init(model, rollout_cfg, version, do_sample, max_batch)
 
     @classmethod
