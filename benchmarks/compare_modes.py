@@ -551,7 +551,8 @@ def main(argv=None) -> int:
              if (not args.modes or name.split()[0].lower() in args.modes.lower().split(","))
              and (shape == [] or not args.no_colocated)]
     say(f"model {model_path}; {len(modes)} modes x {n} updates x TBS {cfg.dora.train_batch_size} x G "
-        f"{cfg.rollout.group_size}; RBS {cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        f"{cfg.rollout.group_size}; RBS {cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs")
 
     runs: list[dict] = []
     clusters = Clusters(args.config, base)
@@ -561,7 +562,7 @@ def main(argv=None) -> int:
                 address, client, sampler = clusters.get(shape)
                 runs.append(run_mode(name, shape + overrides, base, args, address, client, sampler, repeat))
         say("held-out accuracy of intermediate versions (off the clock)")
-        accuracy_curves(runs, cfg, clusters.get(clusters.shape)[1], args.eval_every if args.eval_every is not None else 2)
+        accuracy_curves(runs, cfg, clusters.client, args.eval_every if args.eval_every is not None else 2)
     finally:
         clusters.close()
     order = [name for name, _, _ in modes]
@@ -596,7 +597,8 @@ def main(argv=None) -> int:
          f"run(s) per mode (forward then reverse order), table = mean, (a / b) = each run; "
          f"cluster shape {shape_text(cfg)} (modes marked colocated: {' '.join(COLOCATED)}), RBS "
          f"{cfg.dora.rollout_batch_size}, {cfg.cluster.cpu_workers} CPU worker; model `{model_path}`."),
-        (f"Target accuracy {target:.3f} ({'--target' if args.target is not None else 'lowest final accuracy of the sync K=0 runs'}); "
+        (f"Target accuracy {target:.3f} "
+         f"({'--target' if args.target is not None else 'lowest final accuracy of the sync K=0 runs'}); "
          f"accuracy = greedy held-out accuracy on {cfg.task.eval_prompts} prompts."),
         (f"Response length of consumed trajectories (tokens, all modes): median {lengths['median']:.0f}, "
          f"p99 {lengths['p99']:.0f}, max {lengths['max']}, p99/median {lengths['p99_over_median']:.1f}."), "",

@@ -23,8 +23,7 @@ import math
 import numbers
 import queue
 import threading
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from dora_tasks.workloads import countdown
 
