@@ -1,11 +1,13 @@
 """DORA against synchronous, one-step off-policy and partial rollout (and optionally TRL), side by side, in one run.
 
 One invocation runs the same long-tailed workload (countdown, `configs/longtail_bench.yaml`), the same warm-started
-model folder, the same cluster (one embedded cluster of GPU-labelled worker processes, started once and attached to
-by every mode, so no mode pays or dodges worker start-up) and the same number of trained trajectories
-(`num_updates * TBS * G`, C2 checked by the audit) for each mode, through `pipelines.streaming.run_pipeline`:
+model folder, the same cluster shape (one embedded cluster of GPU-labelled worker processes per shape, started
+before the first mode that needs it and attached to by every mode of that shape, so no mode pays or dodges worker
+start-up) and the same number of trained trajectories (`num_updates * TBS * G`, C2 checked by the audit) for each
+mode, through `pipelines.streaming.run_pipeline`:
 
-    sync K=0 | one-step off-policy K=1 | partial rollout K=1 | DORA K=2 | DORA K=3 | [TRL GRPO, --with-trl]
+    sync K=0 | one-step off-policy K=1 | partial rollout K=1 | DORA K=2 | DORA K=3 |
+    sync K=0 and DORA K=3 on the colocated shape (COLOCATED; --no-colocated leaves them out) | [TRL GRPO, --with-trl]
 
 and prints ONE table (written to `<out>/compare_modes.md` and `.json`): throughput, step time, rollout bubble,
 trainer bubble, non-overlapped rollout share (definitions and code:
