@@ -244,12 +244,14 @@ class Driver:
         metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
         return metrics
 
-    def retain_weights(self) -> None:
-        """Keep the versions unconsumed groups still need, the newest, and (for resume) the checkpoint's."""
+    def retain_weights(self, *, drop_unseen: bool = False) -> None:
+        """Keep the versions unconsumed groups still need, the newest, (for resume) the checkpoint's, and any newer
+        version the trainer published ahead of the driver (update lookahead: the next publish can land before the
+        driver has taken in this one). `drop_unseen`: delete those too (resume: they will be published again)."""
         keep = set(self.gate.unconsumed.values()) | {self.gate.newest} | self.pinned_versions
         if self.cfg.storage.keep_versions:
             keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
-        self.weights.retain(keep)
+        self.weights.retain(keep, newer_than=None if drop_unseen else self.gate.newest)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def submit_evaluation(self, version: int) -> None:

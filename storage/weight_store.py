@@ -2,8 +2,9 @@
 
 `publish(version, write_fn)` lets the trainer write a Hugging Face model folder (`TrainEngine.save_weights`) into a
 temp folder, then renames it into place, so a rollout instance told to load `path_for(v)` never sees half a model.
-`retain(keep)` deletes every other version: the driver passes the live window {newest-K .. newest} plus the version
-of the latest checkpoint (resume restarts from it).
+`retain(keep)` deletes every other version: the driver passes the versions unconsumed groups still need, the newest
+and the version of the latest checkpoint (resume restarts from it), and never deletes a version newer than the newest
+it has seen (`newer_than`: the trainer may already have published it).
 
 Simplified, and why
 - Local folders (or file:// URLs) are the main path: a shared filesystem is what the rollout engines load from.
@@ -76,9 +77,11 @@ class WeightStore:
         versions = self.versions()
         return versions[-1] if versions else None
 
-    def retain(self, keep: set[int]) -> list[int]:
-        """Delete every published version not in `keep`; returns the deleted versions."""
-        deleted = [v for v in self.versions() if v not in keep]
+    def retain(self, keep: set[int], *, newer_than: int | None = None) -> list[int]:
+        """Delete every published version not in `keep`; returns the deleted versions. With `newer_than`, versions
+        above it are kept too: a trainer running ahead (update lookahead) may publish a version before the caller
+        has seen it, and a rollout of that version can already be on its way."""
+        deleted = [v for v in self.versions() if v not in keep and (newer_than is None or v <= newer_than)]
         for version in deleted:
             path = self.path_for(version)
             if self._local is not None:

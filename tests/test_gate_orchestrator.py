@@ -224,3 +224,23 @@ def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_no
     restarts = [s for s in orch.decide(capacity=0) if isinstance(s, Start)]
     assert sorted((s.group_id, s.version, s.new) for s in restarts) == [(0, 0, False), (1, 0, False)]
     orch.validate()
+
+
+def test_retaining_weights_keeps_a_version_the_trainer_published_ahead_of_the_driver(tmp_path):
+    """With update lookahead the trainer can publish v+1 before the driver has taken in v's publish: the driver's
+    clean-up after v must not delete v+1, which a rollout may be about to load (a run failed on exactly this:
+    `no *.safetensors file in .../v000008`). On resume (`drop_unseen`) such versions go: they are published again."""
+    from pipelines.config import load_config
+    from pipelines.driver import Driver
+    from storage.weight_store import WeightStore
+
+    weights = WeightStore(str(tmp_path / "weights"))
+    for v in range(9):
+        weights.publish(v, lambda folder: open(f"{folder}/model.safetensors", "w").close())
+    gate = VersionGate(3, 2, newest=7, next_update=7)
+    gate.unconsumed = {40: 5, 41: 7}
+    driver = Driver(load_config(None, []), None, gate, None, None, weights, "", [], [])
+    driver.retain_weights()
+    assert weights.versions() == [5, 7, 8]
+    driver.retain_weights(drop_unseen=True)
+    assert weights.versions() == [5, 7]

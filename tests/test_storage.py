@@ -366,3 +366,12 @@ def test_checkpoint_errors_name_the_path_and_prune_keeps_the_newest(tmp_path):
         ckpts.save(u, {"u": u})
     assert ckpts.prune(keep_last=2) == [1, 2]
     assert ckpts.updates() == [4, 6] and ckpts.load_latest().state == {"u": 6}
+
+
+def test_weight_store_retain_spares_versions_newer_than_asked(tmp_path):
+    weights = WeightStore(str(tmp_path / "w"))
+    for v in range(5):
+        weights.publish(v, write_weights(f"v{v}"))
+    assert weights.retain({2}, newer_than=2) == [0, 1]
+    assert weights.versions() == [2, 3, 4]
+    assert weights.retain({2}) == [3, 4]
