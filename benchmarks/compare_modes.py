@@ -58,6 +58,7 @@ MODES = [  # (name, overrides, cluster shape: overrides of the embedded cluster;
     ("partial rollout K=1", ["dora.max_staleness=1", "rollout.partial_rollout=true"], []),
     ("DORA K=2", ["dora.max_staleness=2"], []),
     ("DORA K=3", ["dora.max_staleness=3"], []),
+    ("DORA K=3 queued switching", ["dora.max_staleness=3", "rollout.queue_while_draining=true"], []),
     ("sync K=0 colocated", ["dora.max_staleness=0"], COLOCATED),
     ("DORA K=3 colocated", ["dora.max_staleness=3"], COLOCATED),
 ]

@@ -194,7 +194,8 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     d = cfg.dora
     gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
-    orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size)
+    orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size,
+                        queue_while_draining=cfg.rollout.queue_while_draining)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg))
 
 
@@ -205,7 +206,8 @@ def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
     gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,
-                        next_group_id=state["orchestrator"]["next_group_id"])
+                        next_group_id=state["orchestrator"]["next_group_id"],
+                        queue_while_draining=cfg.rollout.queue_while_draining)
     for gid, version in sorted(gate.unconsumed.items()):
         orch.requeue(gid, version)
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")

@@ -12,11 +12,11 @@ from pipelines.orchestrator import Load, Orchestrator, Start
 
 
 def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
-          lookahead: int = 0, order: str = "completion"):
+          lookahead: int = 0, order: str = "completion", queue_while_draining: bool = False):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
     gate = VersionGate(K, tbs, lookahead=lookahead, order=order)
-    orch = Orchestrator(rbs, updates * tbs)
+    orch = Orchestrator(rbs, updates * tbs, queue_while_draining=queue_while_draining)
     for i in range(instances):
         orch.add_instance(f"w{i}", slots)
     started_version: dict[int, int] = {}
@@ -61,11 +61,11 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
 @given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
        instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
        kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2),
-       order=st.sampled_from(["dispatch", "completion"]))
+       order=st.sampled_from(["dispatch", "completion"]), queued=st.booleans())
 def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill,
-                                                        lookahead, order):
+                                                        lookahead, order, queued):
     gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead,
-                                            order)
+                                            order, queued)
     consumed = [g for b in batches for g in b.group_ids]
     # C2: every dispatched group trained exactly once, nothing left behind, exactly N * TBS groups
     assert len(consumed) == len(set(consumed)) == updates * tbs
@@ -168,6 +168,28 @@ def test_orchestrator_drains_an_old_version_before_switching():
     actions = orch.decide(capacity=10)
     assert actions[0] == Load("a", 1)
     assert all(a.version == 1 for a in actions[1:]) and len(actions) == 3
+
+
+def test_queued_switching_starts_new_groups_behind_the_draining_ones():
+    """With `queue_while_draining` the draining instance takes new prompts of the newest version at once (its engine
+    starts them when the older group ends); the older group keeps its version; no third version joins."""
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100, queue_while_draining=True)
+    orch.add_instance("a", 2)
+    orch.decide(capacity=2)
+    orch.on_publish(1)
+    orch.on_group_done(0)
+    actions = orch.decide(capacity=10)
+    assert actions == [Load("a", 1), Start("a", 2, 1, True)]
+    assert orch.running[1] == (0, "a") and orch.running[2] == (1, "a")
+    orch.validate()
+    orch.on_publish(2)
+    assert orch.decide(capacity=10) == []  # versions 0 and 1 on it: version 2 waits for a free instance
+    orch.on_group_done(2)
+    assert orch.decide(capacity=10) == [Load("a", 2), Start("a", 3, 2, True)]  # version 0 still drains
+    orch.validate()
+    orch.on_group_done(1)
+    assert orch.decide(capacity=10) == [Start("a", 4, 2, True)]
+    orch.validate()
 
 
 def test_a_lost_instance_restarts_its_groups_on_their_own_version():
