@@ -552,7 +552,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     modes = [(name, o, shape) for name, o, shape in MODES
              if (not args.modes or name.split()[0].lower() in args.modes.lower().split(","))
-             and (shape == [] or not args.no_colocated)]
+             and (shape != COLOCATED or not args.no_colocated)]
     say(f"model {model_path}; {len(modes)} modes x {n} updates x TBS {cfg.dora.train_batch_size} x G "
         f"{cfg.rollout.group_size}; RBS {cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs")
