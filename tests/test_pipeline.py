@@ -78,3 +78,32 @@ def test_a_rollout_worker_killed_mid_run_leaves_a_clean_audit(small_config):
     dispatch = TrajectoryStore.open(summary.store).read_table("dispatch")
     assert dispatch["attempt"].max() >= 1  # the killed groups were dispatched again
     assert len(consumed_table(summary)["group_id"]) == cfg.rollout.group_size * cfg.dora.train_batch_size * 4
+
+
+def groups_started_behind_an_older_version(summary) -> int:
+    """Groups dispatched to an instance while it still generated a group of an older version (from the store:
+    dispatch times by the driver, rollout end times by the instance, one clock)."""
+    store = TrajectoryStore.open(summary.store)
+    t = store.read_table("trajectories", ["group_id", "version", "instance", "end_time"])
+    d = store.read_table("dispatch", ["group_id", "time"])
+    dispatched = dict(zip(d["group_id"].tolist(), d["time"].tolist()))
+    rolled = {g: (i, v, e) for g, v, i, e in zip(t["group_id"].tolist(), t["version"].tolist(),
+                                                  t["instance"].tolist(), t["end_time"].tolist())}
+    return sum(any(i2 == i and v2 < v and e2 > dispatched[g] for i2, v2, e2 in rolled.values())
+               for g, (i, v, _) in rolled.items())
+
+
+@pytest.mark.slow
+def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constraints(small_config, tmp_path):
+    """`rollout.queue_while_draining`: new groups reach an instance still finishing an older version (never with the
+    default switching), and the audit still finds every token of a trajectory from its own version (C1), every
+    group trained once (C2) and staleness <= K (C3)."""
+    common = [*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=4"]
+    queued = run_pipeline(small_config(*common, "rollout.queue_while_draining=true"))
+    report = audit_store(queued.store, 3)
+    assert report.ok, report.to_text()
+    assert len(consumed_table(queued)["group_id"]) == 4 * 8 * 16
+    assert groups_started_behind_an_older_version(queued) > 0
+    default = run_pipeline(small_config(*common, f"storage.run_dir={tmp_path / 'default'}"))
+    assert audit_store(default.store, 3).ok
+    assert groups_started_behind_an_older_version(default) == 0
