@@ -1,0 +1,31 @@
+"""Pure helpers of the benchmark scripts (no cluster)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_idle_gaps_are_the_window_minus_the_union_of_busy_spans():
+    gaps = load("rollout_gaps").idle_gaps
+    spans = [(2.0, 3.0), (0.0, 1.5), (2.5, 4.0), (6.0, 9.0)]  # unsorted, overlapping, one beyond the window
+    assert gaps(spans, 1.0, 8.0) == [(1.5, 2.0), (4.0, 6.0)]
+    assert gaps([], 1.0, 2.0) == [(1.0, 2.0)]
+    assert gaps([(0.0, 1.0)], 1.0, 3.0) == [(1.0, 3.0)]
+
+
+def test_gap_report_classes_gaps_by_the_driver_state_before_them():
+    tools = load("rollout_gaps")
+    turns = [(0.0, 8, 0, 1, 2), (1.0, 0, 3, 2, 2)]  # (time, capacity, groups on the instance, version, newest)
+    text = tools.report([(0.5, 0.52), (1.5, 1.6)], turns, window=2.0)
+    assert "| cap>0 running=0 inst_old | 1.0% | 1 | 20.0 |" in text
+    assert "| cap0 running>0 inst_new | 5.0% | 1 | 100.0 |" in text
+    assert "idle 6.0% in 2 gaps" in text
