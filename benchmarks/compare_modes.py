@@ -328,18 +328,10 @@ def profile(row: dict, stream: list[dict], servers: dict) -> dict:
     return out
 
 
-def _merge(spans) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s0, e in sorted(spans):
-        if merged and s0 <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s0, e])
-    return [(s0, e) for s0, e in merged]
-
-
 def _covered(spans, start: float, end: float) -> float:
-    return sum(max(0.0, min(e, end) - max(s0, start)) for s0, e in _merge(spans))
+    from pipelines.metrics import merge_spans
+
+    return sum(max(0.0, min(e, end) - max(s0, start)) for s0, e in merge_spans(spans))
 
 
 def idle_split(groups: dict, servers: dict, start: float, end: float) -> dict:

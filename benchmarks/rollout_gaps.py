@@ -36,18 +36,10 @@ BINS_MS = [0, 2, 5, 10, 20, 50, 100, 1000, 10_000]
 
 def idle_gaps(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
     """The sub-intervals of [start, end] covered by no busy span."""
-    gaps, covered = [], start
-    for s, e in sorted(spans):
-        if e <= covered:
-            continue
-        if s > covered:
-            gaps.append((covered, min(s, end)))
-        covered = max(covered, e)
-        if covered >= end:
-            return gaps
-    if covered < end:
-        gaps.append((covered, end))
-    return gaps
+    from pipelines.metrics import merge_spans
+
+    edges = [start] + [t for s, e in merge_spans(spans) for t in (s, e)] + [end]
+    return [(max(a, start), min(b, end)) for a, b in zip(edges[::2], edges[1::2]) if min(b, end) > max(a, start)]
 
 
 def state_class(turn: tuple) -> str:

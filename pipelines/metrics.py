@@ -66,6 +66,17 @@ def mean_step_time(tl: Timeline) -> float:
     return float(np.mean(steady)) if len(steady) else float("nan")
 
 
+def merge_spans(spans) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals."""
+    merged: list[list[float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
 def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
 
