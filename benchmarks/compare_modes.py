@@ -513,6 +513,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 updates, TBS 4, RBS 8, G 4, 16 eval prompts")
     parser.add_argument("--with-trl", action="store_true", help="also train TRL's GRPOTrainer (benchmarks/trl_peer.py)")
+    parser.add_argument("--trl-threads", type=lambda text: [int(x) for x in text.split(",")], default=[1],
+                        help="torch threads of TRL's process, one TRL run per value, e.g. 1,2 (default 1)")
     parser.add_argument("--target", type=float, default=None,
                         help="held-out accuracy to time (default: the lowest final accuracy of the sync K=0 runs)")
     parser.add_argument("--eval-every", type=int, default=None,
@@ -569,15 +571,17 @@ def main(argv=None) -> int:
         from benchmarks.trl_peer import run_trl
 
         for repeat in range(args.repeats):
-            say(f"TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts (repeat {repeat})")
-            trl_dir = os.path.abspath(os.path.join(args.out, "runs", f"trl_r{repeat}"))
-            shutil.rmtree(trl_dir, ignore_errors=True)
-            load_before = os.getloadavg()[0]
-            trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say,
-                          eval_every=args.eval_every if args.eval_every is not None else 2)
-            trl.update(repeat=repeat, trained_prompts=n * cfg.dora.train_batch_size,
-                       load_average=[load_before, os.getloadavg()[0]])
-            runs.append(trl)
+            for threads in args.trl_threads:
+                say(f"TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts, {threads} torch "
+                    f"thread(s) (repeat {repeat})")
+                trl_dir = os.path.abspath(os.path.join(args.out, "runs", f"trl_t{threads}_r{repeat}"))
+                shutil.rmtree(trl_dir, ignore_errors=True)
+                load_before = os.getloadavg()[0]
+                trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say, threads=threads,
+                              eval_every=args.eval_every if args.eval_every is not None else 2)
+                trl.update(repeat=repeat, trained_prompts=n * cfg.dora.train_batch_size,
+                           load_average=[load_before, os.getloadavg()[0]])
+                runs.append(trl)
     finish_runs(runs, target, n)
     rows = aggregate(runs)
 

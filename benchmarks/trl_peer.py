@@ -15,7 +15,8 @@ and TRL's set-up are left off the clock, as the pipeline leaves its warm-up and 
 worker beside it) off the critical path.
 
 Simplified, and why: `use_cpu=True`, no vLLM, `report_to=[]`, no gradient checkpointing (a 2-layer model), one
-process with one torch thread (the 2-core machine is shared). TRL is a benchmark-only dependency (`.[bench]`); it is
+process with one torch thread by default (the 2-core machine is shared; `threads=2`, `compare_modes.py --trl-threads 1,2`,
+gives it both cores). TRL is a benchmark-only dependency (`.[bench]`); it is
 installed with `pip install --no-deps trl accelerate` so that it cannot move torch or transformers.
 
     python benchmarks/trl_peer.py --model DIR [--config configs/longtail_bench.yaml] [--updates 10] [--target 0.5]
@@ -110,8 +111,9 @@ class _Clock:
 
 
 def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str, target: float | None = None,
-            log=print) -> dict:
-    """Train with TRL GRPO; returns the comparison row (see compare_modes.ROW_KEYS) plus the accuracy curve."""
+            log=print, threads: int | None = None) -> dict:
+    """Train with TRL GRPO; returns the comparison row (see compare_modes.ROW_KEYS) plus the accuracy curve.
+    `threads`: torch threads of the process (default `OMP_NUM_THREADS`, 1); 2 gives TRL both cores of the machine."""
     import torch
     import transformers
     from datasets import Dataset
@@ -121,7 +123,9 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
     from dora_tasks.workloads.datasets import load_prompts
     from dora_tasks.workloads.rewards import resolve_reward_fn, score_all
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     char = load_tokenizer(model_path)
     train_prompts, eval_prompts = load_prompts(cfg.task, char, cfg.dora.seed)
     g, tbs = cfg.rollout.group_size, cfg.dora.train_batch_size
@@ -189,12 +193,15 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
         return out
 
     trainer._generate = timed_generate
-    trainer.train()
-    return trl_row(steps, curve, gen, target)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(previous_threads)
+    return trl_row(steps, curve, gen, target, threads)
 
 
 def trl_row(steps: list[tuple[float, int, float]], curve: list[tuple[int, float, float]], gen: dict,
-            target: float | None) -> dict:
+            target: float | None, threads: int = 1) -> dict:
     ends = [0.0] + [t for t, _, _ in steps]
     steady = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps
     start = ends[WARMUP_STEPS] if len(steps) > WARMUP_STEPS else 0.0
@@ -203,7 +210,7 @@ def trl_row(steps: list[tuple[float, int, float]], curve: list[tuple[int, float,
     tokens = sum(n for _, n, _ in steady)
     reached = [t for _, t, acc in curve if target is not None and acc >= target - 1e-9]
     return {
-        "mode": "TRL GRPO (sync)", "throughput_tokens_per_s": tokens / wall,
+        "mode": "TRL GRPO (sync)" if threads == 1 else f"TRL GRPO (sync, {threads} threads)", "throughput_tokens_per_s": tokens / wall,
         # this process's CPU over the steady steps: cores used, and CPU seconds per 1000 consumed tokens
         "cpu_cores_used": (steps[-1][2] - cpu_start) / wall,
         "cpu_s_per_1k_tokens": 1000 * (steps[-1][2] - cpu_start) / max(1, tokens),

@@ -79,6 +79,18 @@ class TrainerPlugin(WorkerPlugin):
         if "TRAINER" in worker.state.total_resources:
             _set_worker_env()
 
+    def engine_at(self, version: int):
+        """The engine if it holds `version`; None if it has not reached it yet (an earlier update has still to run,
+        or, on a new trainer, `version` is not published yet). A trainer past `version` is an error."""
+        from storage.weight_store import WeightStore
+
+        if self.engine is None and version not in WeightStore(self.weight_store).versions():
+            return None
+        engine = self.get_engine(version)
+        if engine.version > version:
+            raise RuntimeError(f"trainer holds version {engine.version}, update {version} needs version {version}")
+        return engine if engine.version == version else None
+
     def get_engine(self, version: int):
         if self.engine is None:
             from dora_tasks.engines.factory import make_train_engine

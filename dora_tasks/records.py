@@ -98,7 +98,8 @@ class UpdateResult:
     update: int
     metrics: dict[str, float]
     start_time: float
-    end_time: float
+    end_time: float  # the train step's end; the publish of version `update + 1` follows
+    published: "PublishedWeights | None" = None
 
 
 @dataclass

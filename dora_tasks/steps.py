@@ -1,4 +1,4 @@
-"""The functions Dask runs: rollout, reward, advantage, gate, update, publish. Thin shells over engines and pure code.
+"""The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and pure code.
 
 Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys that carry the
 version, e.g. ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers.
@@ -97,16 +97,22 @@ def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions:
 
 
 # ---- update and publish (trainer, label TRAINER) -----------------------------------------------------------------
-def update(batch: TrainBatch, after: PublishedWeights | None = None) -> UpdateResult:
-    """One policy update from version `batch.update`; the engine then holds version `batch.update + 1`.
-    `after`: the publish of version `batch.update` (a dependency only: its weights are written before they change)."""
+def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
+    """One policy update from version `batch.update`, then the publish of version `batch.update + 1`, in one task.
+
+    One task, so that the trainer goes from one update straight to the next: with update lookahead the next batch
+    reached the trainer (its gate finished, its data fetched) while this update trained, and its update starts when
+    this task ends, without a round trip through the scheduler. The weights of version `batch.update + 1` are written
+    before any later update changes them because both run on the trainer's one TRAINER slot, in version order: an
+    update whose version the engine has not reached yet (an earlier batch's data is still on its way) goes back to
+    the scheduler (`Reschedule`) and comes back after it."""
+    from distributed import Reschedule
+
     from dora_tasks.plugins import trainer_plugin
 
-    if after is not None and after.version != batch.update:
-        raise RuntimeError(f"update {batch.update} queued after the publish of version {after.version}")
-    engine = trainer_plugin().get_engine(batch.update)
-    if engine.version != batch.update:
-        raise RuntimeError(f"trainer holds version {engine.version}, update {batch.update} needs it")
+    engine = trainer_plugin().engine_at(batch.update)
+    if engine is None:
+        raise Reschedule()
     start = time.time()
     trainable = [g for g in batch.groups if not g.filtered]
     metrics = engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)) if trainable else {}
@@ -114,16 +120,15 @@ def update(batch: TrainBatch, after: PublishedWeights | None = None) -> UpdateRe
         engine.version += 1
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
-    return UpdateResult(batch.update, metrics, start, time.time())
+    end = time.time()
+    return UpdateResult(batch.update, metrics, start, end, publish(engine, weight_store))
 
 
-def publish(result: UpdateResult, weight_store: str) -> PublishedWeights:
-    """Write the weights of version `result.update + 1` to the weight store."""
-    from dora_tasks.plugins import trainer_plugin
+def publish(engine, weight_store: str) -> PublishedWeights:
+    """Write the engine's weights, as the version it now holds, to the weight store."""
     from storage.weight_store import WeightStore
 
-    engine = trainer_plugin().get_engine(result.update + 1)
-    return WeightStore(weight_store).publish(result.update + 1, engine.save_weights, overwrite=True)
+    return WeightStore(weight_store).publish(engine.version, engine.save_weights, overwrite=True)
 
 
 def save_trainer_checkpoint(folder: str) -> str:

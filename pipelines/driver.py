@@ -4,7 +4,7 @@ results. The driver is the single writer of the trajectory store and the only ow
 Submission placement (Dask resource restrictions):
   rollout   -> the instance the orchestrator chose (``workers=[addr]``), resource ROLLOUT=1 (one slot)
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
-  update, publish -> the trainer, resource TRAINER=1
+  update (and its publish) -> the trainer, resource TRAINER=1
 
 A complete group is fetched by the driver (the store's single writer) and from then on travels by value: the gate
 task of its batch carries it, so a group no longer depends on the memory of the worker that scored it, and workers
@@ -72,8 +72,7 @@ class InFlight:
 class QueuedUpdate:
     decision: BatchDecision
     ready: float  # when the gate handed the batch over
-    updated: Future
-    published: Future
+    updated: Future  # update(u), which publishes version u + 1
 
 
 @dataclass
@@ -91,7 +90,7 @@ class Driver:
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
     attempts: dict[int, int] = field(default_factory=dict)
     complete: dict[int, Group] = field(default_factory=dict)  # fetched, not yet consumed
-    update_futures: dict[Future, str] = field(default_factory=dict)  # publish/update/eval future -> kind
+    update_futures: dict[Future, str] = field(default_factory=dict)  # update/eval future -> kind
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
     live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
@@ -187,28 +186,26 @@ class Driver:
         return len(self.updates) <= self.cfg.dora.update_lookahead and not self.checkpoint_due(last + 1)
 
     def submit_update(self, decision: BatchDecision) -> None:
-        """gate(u) -> update(u) -> publish(u+1); update(u) also waits for the publish of version u, so a batch handed
-        over early trains the moment the previous update's weights are written."""
+        """gate(u) -> update(u), which publishes u+1. A batch handed over early (lookahead) reaches the trainer while
+        the previous update trains and starts the moment that one's weights are written."""
         u, c = decision.update, self.cfg
         groups = [self.complete[g] for g in decision.group_ids]
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, *groups, key=("gate", u), resources=CPU, pure=False)
-        previous = self.updates[-1].published if self.updates else None
-        updated = self.client.submit(steps.update, checked, previous, key=("update", u), resources=TRAINER,
+        updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u), resources=TRAINER,
                                      pure=False)
-        published = self.client.submit(steps.publish, updated, self.weights.root, key=("publish", u + 1),
-                                       resources=TRAINER, pure=False)
-        self.updates.append(QueuedUpdate(decision, time.time(), updated, published))
-        self.update_futures[published] = "publish"
-        self.watch(published)
+        self.updates.append(QueuedUpdate(decision, time.time(), updated))
+        self.update_futures[updated] = "update"
+        self.watch(updated)
 
     def on_published(self, future: Future) -> dict[str, float]:
+        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator)."""
         queued = self.updates.popleft()
-        if queued.published.key != future.key:
-            raise RuntimeError(f"{future.key} finished before {queued.published.key}")
+        if queued.updated.key != future.key:
+            raise RuntimeError(f"{future.key} finished before {queued.updated.key}")
         decision, ready = queued.decision, queued.ready
-        published: PublishedWeights = future.result()
-        result: UpdateResult = queued.updated.result()
+        result: UpdateResult = future.result()
+        published: PublishedWeights = result.published
         now = time.time()
         groups = [self.complete.pop(g) for g in decision.group_ids]
         self.gate.on_update_done(decision.update)

@@ -85,7 +85,7 @@ class Run:
             d.on_rolled_out(future.key[2])
         elif kind is None:
             d.on_group(future.key[2], future)
-        elif kind == "publish":
+        elif kind == "update":
             metrics = d.on_published(future)
             self._after_update(d.gate.next_update - 1, metrics)
         elif kind.startswith("evaluate:"):

@@ -1,11 +1,11 @@
 """Multi-version streaming rollout as a growing Dask graph: the whole dataflow on one screen.
 
-    prompts ──► rollout(v)* ──► reward* ──► advantage(group) ──► gate(u) ──► update(u) ──► publish(u+1)
-                  ROLLOUT          CPU          CPU                 CPU        TRAINER        TRAINER
+    prompts ──► rollout(v)* ──► reward* ──► advantage(group) ──► gate(u) ──► update(u) + publish(u+1)
+                  ROLLOUT          CPU          CPU                 CPU        TRAINER
 
 The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
 version and move idle instances, (2) asks the version gate whether update `u` may start, submitting
-gate -> update -> publish if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over while `u`
+gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over while `u`
 still trains), and (3) waits for whichever future finishes first. Groups of several versions are in
 flight at once; finished groups stream into the next batch; the gate keeps every batch within K versions.
 """
@@ -26,7 +26,7 @@ def stream(d: Driver, run: Run, on_turn=None) -> None:
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v) -> reward -> advantage
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
-            d.submit_update(decision)  # gate(u) -> update(u) -> publish(u+1)
+            d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         d.note_live_versions()
         for future in d.wait_any(TICK_S):  # whichever finishes first
             run.take(future)
