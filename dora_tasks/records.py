@@ -99,7 +99,7 @@ class UpdateResult:
     metrics: dict[str, float]
     start_time: float
     end_time: float  # the train step's end; the publish of version `update + 1` follows
-    published: "PublishedWeights | None" = None
+    published: PublishedWeights | None = None
 
 
 @dataclass

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from distributed import get_worker
 
-from dora_tasks.records import Group, Prompt, PublishedWeights, TrainBatch, Trajectory, UpdateResult  # noqa: F401
+from dora_tasks.records import Group, Prompt, PublishedWeights, TrainBatch, Trajectory, UpdateResult
 
 
 # ---- rollout (rollout instance, label ROLLOUT) -------------------------------------------------------------------

@@ -29,3 +29,13 @@ def test_gap_report_classes_gaps_by_the_driver_state_before_them():
     assert "| cap>0 running=0 inst_old | 1.0% | 1 | 20.0 |" in text
     assert "| cap0 running>0 inst_new | 5.0% | 1 | 100.0 |" in text
     assert "idle 6.0% in 2 gaps" in text
+
+
+def test_task_overhead_table_sums_the_processes_and_compares_each_shape_with_the_pipelines():
+    table = load("task_overhead").table
+    run = {"driver + scheduler": 10.0, "rollout instance": 4.0, "CPU worker": 5.0, "trainer": 1.0, "wall": 12.0}
+    half = {k: v / 2 for k, v in run.items()}
+    text = table({"pipeline": [run, run], "fused scoring": [half, run]})
+    pipeline, fused = text.splitlines()[2], text.splitlines()[3]
+    assert "| 20.0 (20.0 / 20.0) |" in pipeline and pipeline.endswith("| 1.00x |")
+    assert "| 15.0 (10.0 / 20.0) |" in fused and fused.endswith("| 0.75x |")
