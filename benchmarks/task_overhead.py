@@ -7,7 +7,9 @@ response tokens), so all CPU measured is orchestration: Dask's messages, transfe
 process. Two variants run side by side with it, to size what a change of shape would save:
 
 * ``fused scoring``: reward and advantage as one task per group (one task and one hand-over fewer);
-* ``gate by futures``: the gate task gets the groups' futures (their data stays on the CPU worker) instead of values.
+* ``gate by futures``: the gate task gets the groups' futures (their data stays on the CPU worker) instead of values;
+* ``one graph per group``: a group's three tasks sent to the scheduler in one graph (`dask.delayed` with
+  `dask.annotate` for the placement) instead of three `submit` calls.
 
     python benchmarks/task_overhead.py [--updates 100] [--repeats 2] [--config configs/longtail_bench.yaml]
 
@@ -26,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("pipeline", "fused scoring", "gate by futures")
+VARIANTS = ("pipeline", "fused scoring", "gate by futures", "one graph per group")
 PROMPT_TOKENS, RESPONSE_TOKENS = 15, 5
 
 
@@ -74,10 +76,13 @@ class Loop:
         self.client, self.variant, self.g, self.tbs, self.rbs = client, variant, group_size, tbs, rbs
         self.finished: queue.SimpleQueue = queue.SimpleQueue()
         self.next_group = self.next_update = 0
+        self.held: dict[int, list] = {}
 
     def submit_group(self):
         submit, gid = self.client.submit, self.next_group
         self.next_group += 1
+        if self.variant == "one graph per group":
+            return self.submit_group_as_one_graph(gid)
         rolled = submit(empty_rollout, gid, self.g, key=("rollout", gid), resources={"ROLLOUT": 1}, pure=False)
         if self.variant == "fused scoring":
             scored = submit(empty_scoring, rolled, key=("scoring", gid), resources={"CPU": 1}, pure=False)
@@ -86,6 +91,20 @@ class Loop:
             scored = submit(empty_advantage, rewarded, key=("advantage", gid), resources={"CPU": 1}, pure=False)
         scored.add_done_callback(self.finished.put)
         return scored
+
+    def submit_group_as_one_graph(self, gid: int):
+        import dask
+        from dask import delayed
+
+        with dask.annotate(resources={"ROLLOUT": 1}):
+            rolled = delayed(empty_rollout, pure=False)(gid, self.g, dask_key_name=("rollout", gid))
+        with dask.annotate(resources={"CPU": 1}):
+            rewarded = delayed(empty_reward, pure=False)(rolled, dask_key_name=("reward", gid))
+            scored = delayed(empty_advantage, pure=False)(rewarded, dask_key_name=("advantage", gid))
+        futures = self.client.compute([rolled, rewarded, scored], optimize_graph=False)
+        self.held[gid] = futures  # the rollout and reward futures live until the group is complete, as in the driver
+        futures[-1].add_done_callback(self.finished.put)
+        return futures[-1]
 
     def submit_update(self, batch: list):
         u = self.next_update
@@ -111,6 +130,7 @@ class Loop:
                 updating, done = None, done + 1
             elif future.key in in_flight:
                 complete.append((in_flight.pop(future.key), future.result()))  # the driver fetches every group
+                self.held.pop(future.key[1], None)
         for future in in_flight.values():
             future.result()
         while not self.finished.empty():
