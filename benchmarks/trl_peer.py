@@ -15,9 +15,8 @@ and TRL's set-up are left off the clock, as the pipeline leaves its warm-up and 
 worker beside it) off the critical path.
 
 Simplified, and why: `use_cpu=True`, no vLLM, `report_to=[]`, no gradient checkpointing (a 2-layer model), one
-process with one torch thread by default (the 2-core machine is shared; `threads=2`, `compare_modes.py --trl-threads 1,2`,
-gives it both cores). TRL is a benchmark-only dependency (`.[bench]`); it is
-installed with `pip install --no-deps trl accelerate` so that it cannot move torch or transformers.
+process with one torch thread by default (the 2-core machine is shared; `threads=2`, `compare_modes.py
+--trl-threads 1,2`, gives it both cores). TRL is a benchmark-only dependency (`.[bench]`); it is installed with `pip install --no-deps trl accelerate` so that it cannot move torch or transformers.
 
     python benchmarks/trl_peer.py --model DIR [--config configs/longtail_bench.yaml] [--updates 10] [--target 0.5]
 """
@@ -210,7 +209,8 @@ def trl_row(steps: list[tuple[float, int, float]], curve: list[tuple[int, float,
     tokens = sum(n for _, n, _ in steady)
     reached = [t for _, t, acc in curve if target is not None and acc >= target - 1e-9]
     return {
-        "mode": "TRL GRPO (sync)" if threads == 1 else f"TRL GRPO (sync, {threads} threads)", "throughput_tokens_per_s": tokens / wall,
+        "mode": "TRL GRPO (sync)" if threads == 1 else f"TRL GRPO (sync, {threads} threads)",
+        "throughput_tokens_per_s": tokens / wall,
         # this process's CPU over the steady steps: cores used, and CPU seconds per 1000 consumed tokens
         "cpu_cores_used": (steps[-1][2] - cpu_start) / wall,
         "cpu_s_per_1k_tokens": 1000 * (steps[-1][2] - cpu_start) / max(1, tokens),

@@ -1,4 +1,5 @@
-"""The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and pure code.
+"""The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and
+pure code.
 
 Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys that carry the
 version, e.g. ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers.

@@ -5,8 +5,8 @@
 
 The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
 version and move idle instances, (2) asks the version gate whether update `u` may start, submitting
-gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over while `u`
-still trains), and (3) waits for whichever future finishes first. Groups of several versions are in
+gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over
+while `u` still trains), and (3) waits for whichever future finishes first. Groups of several versions are in
 flight at once; finished groups stream into the next batch; the gate keeps every batch within K versions.
 """
 from __future__ import annotations
