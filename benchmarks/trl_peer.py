@@ -16,7 +16,8 @@ worker beside it) off the critical path.
 
 Simplified, and why: `use_cpu=True`, no vLLM, `report_to=[]`, no gradient checkpointing (a 2-layer model), one
 process with one torch thread by default (the 2-core machine is shared; `threads=2`, `compare_modes.py
---trl-threads 1,2`, gives it both cores). TRL is a benchmark-only dependency (`.[bench]`); it is installed with `pip install --no-deps trl accelerate` so that it cannot move torch or transformers.
+--trl-threads 1,2`, gives it both cores). TRL is a benchmark-only dependency (`.[bench]`); it is installed with
+`pip install --no-deps trl accelerate` so that it cannot move torch or transformers.
 
     python benchmarks/trl_peer.py --model DIR [--config configs/longtail_bench.yaml] [--updates 10] [--target 0.5]
 """
