@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = ("pipeline", "fused scoring", "gate by futures", "one graph per group")
+ROLES = ("driver + scheduler", "rollout instances", "reward/advantage", "trainer")  # as compare_modes.worker_roles
 PROMPT_TOKENS, RESPONSE_TOKENS = 15, 5
 
 
@@ -142,30 +143,36 @@ def cpu_seconds(process) -> float:
     return t.user + t.system
 
 
+def role_cpu_seconds(processes: list[tuple[str, object]]) -> dict[str, float]:
+    """CPU seconds so far per role, summed over that role's processes."""
+    out: dict[str, float] = {}
+    for role, process in processes:
+        out[role] = out.get(role, 0.0) + cpu_seconds(process)
+    return out
+
+
 def measure(variant: str, cfg, updates: int) -> dict[str, float]:
-    """CPU ms per group of each process (driver + scheduler, rollout instance, CPU worker, trainer), wall ms."""
+    """CPU ms per group of each role (ROLES: summed over its processes), and wall ms per group."""
     import psutil
     from distributed import Client
 
-    from pipelines.cluster import embedded_cluster, labelled_workers
+    from benchmarks.compare_modes import worker_roles
+    from pipelines.cluster import embedded_cluster
 
     cluster = embedded_cluster(cfg)
     client = Client(cluster, direct_to_workers=True)
     try:
         client.wait_for_workers(cfg.rollout.instances + 1 + cfg.cluster.cpu_workers, timeout=300)
-        workers = labelled_workers(client)
-        roles = {**{a: "rollout instance" for a in workers.rollout}, **{a: "trainer" for a in workers.trainer},
-                 **{a: "CPU worker" for a in workers.cpu}}
-        processes = {roles[a]: psutil.Process(pid) for a, pid in client.run(os.getpid).items()}
-        processes["driver + scheduler"] = psutil.Process()
+        processes = [(role.split("#")[0], psutil.Process(pid)) for pid, role in worker_roles(client).items()]
+        processes.append(("driver + scheduler", psutil.Process()))
         loop = Loop(client, variant, cfg.rollout.group_size, cfg.dora.train_batch_size, cfg.dora.rollout_batch_size)
         loop.run(5)  # warm: imports, connections
-        before = {role: cpu_seconds(p) for role, p in processes.items()}
+        before = role_cpu_seconds(processes)
         start = time.perf_counter()
         loop.run(updates)
         wall = time.perf_counter() - start
         groups = updates * cfg.dora.train_batch_size
-        row = {role: 1000 * (cpu_seconds(p) - before[role]) / groups for role, p in processes.items()}
+        row = {role: 1000 * (cpu - before[role]) / groups for role, cpu in role_cpu_seconds(processes).items()}
         row["wall"] = 1000 * wall / groups
         return row
     finally:
@@ -174,7 +181,7 @@ def measure(variant: str, cfg, updates: int) -> dict[str, float]:
 
 
 def table(rows: dict[str, list[dict[str, float]]]) -> str:
-    roles = ["driver + scheduler", "rollout instance", "CPU worker", "trainer"]
+    roles = ROLES
     mean = {v: {k: float(np.mean([r[k] for r in runs])) for k in runs[0]} for v, runs in rows.items()}
     total = {v: sum(m[r] for r in roles) for v, m in mean.items()}
     base = total["pipeline"]

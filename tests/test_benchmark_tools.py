@@ -33,7 +33,7 @@ def test_gap_report_classes_gaps_by_the_driver_state_before_them():
 
 def test_task_overhead_table_sums_the_processes_and_compares_each_shape_with_the_pipelines():
     table = load("task_overhead").table
-    run = {"driver + scheduler": 10.0, "rollout instance": 4.0, "CPU worker": 5.0, "trainer": 1.0, "wall": 12.0}
+    run = {"driver + scheduler": 10.0, "rollout instances": 4.0, "reward/advantage": 5.0, "trainer": 1.0, "wall": 12.0}
     half = {k: v / 2 for k, v in run.items()}
     text = table({"pipeline": [run, run], "fused scoring": [half, run]})
     pipeline, fused = text.splitlines()[2], text.splitlines()[3]
