@@ -1,8 +1,10 @@
 """The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and
 pure code.
 
-Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys that carry the
-version, e.g. ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers.
+Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys, e.g.
+``("rollout", v, group_id)``, and resource restrictions that place them on the right workers. A rollout task is one
+group; a reward task and its advantage task take every group one instance finished in one turn of the driver, so
+that groups which end in the same decode step cost two tasks together, not two each.
 """
 from __future__ import annotations
 
@@ -48,19 +50,26 @@ def _reward_fn(dotted: str):
     return resolve_reward_fn(dotted)
 
 
-def reward(group: Group, model_path: str, reward_fn: str, timeout_s: float) -> Group:
-    """Score every response; an exception or a timeout is recorded on the trajectory, never raised."""
+def reward(groups: list[Group], model_path: str, reward_fn: str, timeout_s: float) -> list[Group]:
+    """Score every response of `groups` (the groups one instance finished generating in one turn of the driver);
+    an exception or a timeout is recorded on the trajectory, never raised."""
     from dora_tasks.workloads.rewards import score_all
 
     tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
-    calls = [(group.prompt.text, tokenizer.decode(t.response_ids), group.prompt.answer) for t in group.trajectories]
-    for t, (value, error) in zip(group.trajectories, score_all(fn, calls, timeout_s)):
+    trajectories = [(g, t) for g in groups for t in g.trajectories]
+    calls = [(g.prompt.text, tokenizer.decode(t.response_ids), g.prompt.answer) for g, t in trajectories]
+    for (_, t), (value, error) in zip(trajectories, score_all(fn, calls, timeout_s)):
         t.reward, t.reward_error = value, error
-    return group
+    return list(groups)
 
 
-# ---- advantage (CPU worker, one complete group) ------------------------------------------------------------------
-def advantage(group: Group, estimator: str, filter_degenerate: bool = False) -> Group:
+# ---- advantage (CPU worker, complete groups) ---------------------------------------------------------------------
+def advantage(groups: list[Group], estimator: str, filter_degenerate: bool = False) -> list[Group]:
+    """Each group's advantages (`group_advantage`), for the groups one reward task scored."""
+    return [group_advantage(g, estimator, filter_degenerate) for g in groups]
+
+
+def group_advantage(group: Group, estimator: str, filter_degenerate: bool = False) -> Group:
     """Set each trajectory's advantage from its group. Failed rewards count as 0 and stay recorded."""
     from dora_tasks.algorithms.advantages import group_is_degenerate
     from dora_tasks.algorithms.registry import get_advantage

@@ -6,6 +6,10 @@ Submission placement (Dask resource restrictions):
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
   update (and its publish) -> the trainer, resource TRAINER=1
 
+A rollout task is one group. Its scoring is submitted once the driver sees it end: the groups one instance finished
+since the driver's last turn (groups of one decode step end together) are scored by one reward task and one
+advantage task, so Dask's per-task cost (messages, transfers, bookkeeping in four processes) is paid once for them.
+
 A complete group is fetched by the driver (the store's single writer) and from then on travels by value: the gate
 task of its batch carries it, so a group no longer depends on the memory of the worker that scored it, and workers
 hold each group only until the driver has it.
@@ -63,7 +67,7 @@ class InFlight:
     group_id: int
     version: int
     attempt: int
-    futures: list[Future]  # rollout, reward, advantage
+    futures: list[Future]  # rollout, then the reward and advantage of its scoring batch
     instance: str  # where it is generated
     rolled_out: bool = False  # the rollout finished: its instance slot is free again
 
@@ -90,6 +94,9 @@ class Driver:
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
     attempts: dict[int, int] = field(default_factory=dict)
     complete: dict[int, Group] = field(default_factory=dict)  # fetched, not yet consumed
+    unscored: list[int] = field(default_factory=list)  # rolled out this turn, scoring not submitted yet
+    scoring: dict[str, list[int]] = field(default_factory=dict)  # advantage key -> the groups it scores
+    scoring_batches: int = 0
     update_futures: dict[Future, str] = field(default_factory=dict)  # update/eval future -> kind
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
@@ -130,7 +137,8 @@ class Driver:
         for gid in generating + scoring:
             lost = self.in_flight.pop(gid)
             log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
-            self.client.cancel(lost.futures)
+            self.client.cancel(lost.futures)  # a scoring batch holds groups of one instance only
+        self.scoring = {key: gids for key, gids in self.scoring.items() if not set(gids) & set(scoring)}
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
@@ -144,32 +152,52 @@ class Driver:
         prompt = self.prompt_for(gid)
         self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, time.time())
         suffix = (attempt,) if attempt else ()
-        r, t = self.cfg.rollout, self.cfg.task
+        r = self.cfg.rollout
         seed = self.cfg.dora.seed * 1_000_003 + gid * 31 + attempt
         rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v), r.group_size, seed,
                                     attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
                                     resources=ROLLOUT, pure=False)
-        rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
-                                      key=("reward", v, gid) + suffix, resources=CPU, pure=False)
-        scored = self.client.submit(steps.advantage, rewarded, self.cfg.train.advantage,
-                                    self.cfg.train.filter_degenerate, key=("advantage", v, gid) + suffix,
-                                    resources=CPU, pure=False)
-        self.in_flight[gid] = InFlight(gid, v, attempt, [rolled, rewarded, scored], start.instance)
-        self.watch(rolled, scored)
+        self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
+        self.watch(rolled)
 
     def on_rolled_out(self, gid: int) -> None:
-        """The instance finished generating the group: free its slot (reward and advantage run on CPU workers)."""
+        """The instance finished generating the group: free its slot; the group waits for this turn's scoring."""
         group = self.in_flight.get(gid)
         if group is not None and not group.rolled_out:
             group.rolled_out = True
             self.orchestrator.on_group_done(gid)
+            self.unscored.append(gid)
 
-    def on_group(self, gid: int, future: Future) -> None:
-        group: Group = future.result()
-        self.on_rolled_out(gid)
-        del self.in_flight[gid]  # its futures go: the workers may drop the group
-        self.gate.on_complete(gid)
-        self.complete[gid] = group
+    def submit_scoring(self) -> None:
+        """rollout* -> reward(groups) -> advantage(groups): one pair of tasks per instance for the groups it finished
+        since the last turn (reward and advantage run on CPU workers)."""
+        by_instance: dict[str, list[int]] = {}
+        for gid in self.unscored:
+            if gid in self.in_flight:  # not given up on since (its instance died)
+                by_instance.setdefault(self.in_flight[gid].instance, []).append(gid)
+        self.unscored.clear()
+        t, a = self.cfg.task, self.cfg.train
+        for gids in by_instance.values():
+            n = self.scoring_batches = self.scoring_batches + 1
+            rolled = [self.in_flight[g].futures[0] for g in gids]
+            rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
+                                          key=("reward", n), resources=CPU, pure=False)
+            scored = self.client.submit(steps.advantage, rewarded, a.advantage, a.filter_degenerate,
+                                        key=("advantage", n), resources=CPU, pure=False)
+            for g in gids:
+                self.in_flight[g].futures += [rewarded, scored]
+            self.scoring[scored.key] = gids
+            self.watch(scored)
+
+    def on_scored(self, future: Future) -> None:
+        """A scoring batch is done: its groups are complete (the gate may put them in a batch)."""
+        groups: list[Group] = future.result()
+        if [g.group_id for g in groups] != self.scoring.pop(future.key):
+            raise RuntimeError(f"{future.key} returned other groups than it was given")
+        for group in groups:
+            del self.in_flight[group.group_id]  # its futures go: the workers may drop the group
+            self.gate.on_complete(group.group_id)
+            self.complete[group.group_id] = group
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:
@@ -286,7 +314,8 @@ class Driver:
     # ---- waiting -------------------------------------------------------------------------------------------------
     def pending(self) -> list[Future]:
         rolling = [g.futures[0] for g in self.in_flight.values() if not g.rolled_out]
-        return rolling + [g.futures[-1] for g in self.in_flight.values()] + list(self.update_futures)
+        scoring = {g.futures[-1].key: g.futures[-1] for g in self.in_flight.values() if len(g.futures) > 1}
+        return rolling + list(scoring.values()) + list(self.update_futures)
 
     def watch(self, *futures: Future) -> None:
         """Queue each future when it finishes (one callback per future, registered once, rather than waiting

@@ -84,7 +84,7 @@ class Run:
         if kind is None and future.key[0] == "rollout":
             d.on_rolled_out(future.key[2])
         elif kind is None:
-            d.on_group(future.key[2], future)
+            d.on_scored(future)
         elif kind == "update":
             metrics = d.on_published(future)
             self._after_update(d.gate.next_update - 1, metrics)

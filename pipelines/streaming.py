@@ -1,13 +1,14 @@
 """Multi-version streaming rollout as a growing Dask graph: the whole dataflow on one screen.
 
-    prompts ──► rollout(v)* ──► reward* ──► advantage(group) ──► gate(u) ──► update(u) + publish(u+1)
-                  ROLLOUT          CPU          CPU                 CPU        TRAINER
+    prompts ──► rollout(v)* ──► reward(groups) ──► advantage(groups) ──► gate(u) ──► update(u) + publish(u+1)
+                  ROLLOUT            CPU                 CPU                 CPU        TRAINER
 
 The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
 version and move idle instances, (2) asks the version gate whether update `u` may start, submitting
 gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over
-while `u` still trains), and (3) waits for whichever future finishes first. Groups of several versions are in
-flight at once; finished groups stream into the next batch; the gate keeps every batch within K versions.
+while `u` still trains), (3) waits for whichever future finishes first, and (4) scores the groups whose rollout
+ended, with one reward and one advantage task for those of one instance. Groups of several versions are in flight at
+once; finished groups stream into the next batch; the gate keeps every batch within K versions.
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def stream(d: Driver, run: Run, on_turn=None) -> None:
         d.sync_instances()
         for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
             if isinstance(action, Start):
-                d.submit_group(action)  # rollout(v) -> reward -> advantage
+                d.submit_group(action)  # rollout(v)
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         d.note_live_versions()
         for future in d.wait_any(TICK_S):  # whichever finishes first
             run.take(future)
+        d.submit_scoring()  # the groups that finished rolling out -> reward -> advantage
         run.show_progress()
         if on_turn is not None:
             on_turn(d)

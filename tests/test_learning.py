@@ -85,7 +85,7 @@ def test_trainer_recomputes_the_behaviour_logprobs_before_and_after_an_update(po
     gap, ratio = max_behaviour_gap(trainer, groups)
     assert gap < 1e-4 and ratio == pytest.approx(1.0, abs=1e-5)
 
-    groups = [steps.advantage(g, cfg.advantage) for g in groups]
+    groups = [steps.group_advantage(g, cfg.advantage) for g in groups]
     metrics = trainer.train_step(TrainBatch(0, groups, 0))
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["grad_norm"] > 0
     trainer.save_weights(str(tmp_path / "v1"))
@@ -99,7 +99,7 @@ def test_trainer_recomputes_the_behaviour_logprobs_before_and_after_an_update(po
 def test_a_positive_advantage_raises_the_rewarded_response_and_lowers_the_others(policy):
     """The sign of the whole path (advantage step -> loss -> optimizer): rewarded responses become likelier."""
     trainer = TorchTrainEngine(policy, TrainConfig(lr=3e-3), device="cpu")
-    groups = [steps.advantage(g, "grpo") for g in rollout_groups(HFRolloutEngine(policy, RolloutConfig(
+    groups = [steps.group_advantage(g, "grpo") for g in rollout_groups(HFRolloutEngine(policy, RolloutConfig(
         max_new_tokens=24)), 0)]
 
     def response_logp() -> np.ndarray:
@@ -123,7 +123,7 @@ def test_a_positive_advantage_raises_the_rewarded_response_and_lowers_the_others
 def test_registered_algorithms_run_through_the_advantage_and_update_steps(policy, advantage, loss):
     cfg = load_config(None, [f"train.advantage={advantage}", f"train.loss={loss}", "train.lr=1e-2"])
     groups = rollout_groups(HFRolloutEngine(policy, RolloutConfig(max_new_tokens=12)), 0, seed=2)
-    groups = [steps.advantage(g, cfg.train.advantage, cfg.train.filter_degenerate) for g in groups]
+    groups = [steps.group_advantage(g, cfg.train.advantage, cfg.train.filter_degenerate) for g in groups]
     advantages = np.array([t.advantage for g in groups for t in g.trajectories])
     assert np.isfinite(advantages).all() and np.abs(advantages).max() > 0
     trainer = TorchTrainEngine(policy, cfg.train, device="cpu")

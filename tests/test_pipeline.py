@@ -107,3 +107,30 @@ def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constrai
     default = run_pipeline(small_config(*common, f"storage.run_dir={tmp_path / 'default'}"))
     assert audit_store(default.store, 3).ok
     assert groups_started_behind_an_older_version(default) == 0
+
+
+@pytest.mark.slow
+def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_task(small_config):
+    """Groups of one instance that end in the same decode step are scored together (one reward and one advantage task
+    for several groups), and every group still reaches exactly one update with its own advantages (audit: C1-C3)."""
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+
+    cfg = small_config(*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=8")
+    batch_sizes: list[int] = []
+
+    def note_scoring_batches(d):
+        batch_sizes.extend(len(gids) for key, gids in d.scoring.items() if key not in seen)
+        seen.update(d.scoring)
+
+    seen: set = set()
+    with open_run(cfg) as run:
+        stream(run.driver, run, on_turn=note_scoring_batches)
+        summary = run.finish()
+        batches = run.driver.scoring_batches
+    report = audit_store(summary.store, 3)
+    assert report.ok, report.to_text()
+    groups = cfg.dora.train_batch_size * cfg.dora.num_updates
+    assert len(consumed_table(summary)["group_id"]) == cfg.rollout.group_size * groups
+    assert sum(batch_sizes) == groups and max(batch_sizes) >= 2  # every group scored once, some of them together
+    assert batches < groups
