@@ -1,20 +1,23 @@
 """What Dask costs per group, with no model: the pipeline's task shape run with empty tasks on the embedded cluster.
 
-Each group is what `pipelines.driver` submits (rollout on the rollout instance -> reward -> advantage on the CPU
-worker, the driver fetching the scored group), every TBS groups a gate task carrying them by value and an update on
-the trainer; the tasks only build or pass on a `Group` of G trajectories of the benchmark's size (15 prompt + 5
-response tokens), so all CPU measured is orchestration: Dask's messages, transfers and task bookkeeping in every
-process. Two variants run side by side with it, to size what a change of shape would save:
+Each group is what `pipelines.driver` submits: a rollout on the rollout instance, then, for the groups whose rollouts
+the driver saw end in one turn, one reward and one advantage task on the CPU worker (the driver fetching the scored
+groups); every TBS groups a gate task carrying them by value and an update on the trainer. The tasks only build or
+pass on `Group`s of G trajectories of the benchmark's size (15 prompt + 5 response tokens), so all CPU measured is
+orchestration: Dask's messages, transfers and task bookkeeping in every process. Two other shapes run side by side
+with it, to size what the shape costs:
 
-* ``fused scoring``: reward and advantage as one task per group (one task and one hand-over fewer);
-* ``gate by futures``: the gate task gets the groups' futures (their data stays on the CPU worker) instead of values;
-* ``one graph per group``: a group's three tasks sent to the scheduler in one graph (`dask.delayed` with
-  `dask.annotate` for the placement) instead of three `submit` calls.
+* ``scoring per group``: a reward and an advantage task per group, submitted with its rollout (the pipeline before
+  scoring per turn);
+* ``fused scoring per group``: reward and advantage as one task per group.
+
+With empty rollouts, how many groups end in one driver turn depends on how fast the driver loop runs; the table
+gives the groups per scoring task measured. (In the pipeline, groups that end in one decode chunk end together.)
 
     python benchmarks/task_overhead.py [--updates 100] [--repeats 2] [--config configs/longtail_bench.yaml]
 
-Prints one table: CPU ms per group of each process and wall ms per group, each variant's total against the
-pipeline's shape. Not a timed test: it measures this machine.
+Prints one table: CPU ms per group of each process and wall ms per group, each shape's total against the
+pipeline's. Not a timed test: it measures this machine.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("pipeline", "fused scoring", "gate by futures", "one graph per group")
+VARIANTS = ("pipeline", "scoring per group", "fused scoring per group")
 ROLES = ("driver + scheduler", "rollout instances", "reward/advantage", "trainer")  # as compare_modes.worker_roles
 PROMPT_TOKENS, RESPONSE_TOKENS = 15, 5
 
@@ -60,6 +63,14 @@ def empty_scoring(group):
     return empty_advantage(empty_reward(group))
 
 
+def empty_rewards(groups: list) -> list:
+    return [empty_reward(g) for g in groups]
+
+
+def empty_advantages(groups: list) -> list:
+    return [empty_advantage(g) for g in groups]
+
+
 def empty_gate(update: int, *groups):
     from dora_tasks.records import TrainBatch
 
@@ -76,64 +87,75 @@ class Loop:
     def __init__(self, client, variant: str, group_size: int, tbs: int, rbs: int) -> None:
         self.client, self.variant, self.g, self.tbs, self.rbs = client, variant, group_size, tbs, rbs
         self.finished: queue.SimpleQueue = queue.SimpleQueue()
-        self.next_group = self.next_update = 0
-        self.held: dict[int, list] = {}
+        self.next_group = self.next_update = self.scoring_tasks = self.scored_groups = 0
+        self.rolling: dict = {}  # key -> rollout future whose scoring is not submitted yet (pipeline)
+        self.scoring: dict = {}  # key -> (scoring future, groups it scores)
 
-    def submit_group(self):
+    def in_flight(self) -> int:
+        return len(self.rolling) + sum(n for _, n in self.scoring.values())
+
+    def submit_group(self) -> None:
         submit, gid = self.client.submit, self.next_group
         self.next_group += 1
-        if self.variant == "one graph per group":
-            return self.submit_group_as_one_graph(gid)
         rolled = submit(empty_rollout, gid, self.g, key=("rollout", gid), resources={"ROLLOUT": 1}, pure=False)
-        if self.variant == "fused scoring":
-            scored = submit(empty_scoring, rolled, key=("scoring", gid), resources={"CPU": 1}, pure=False)
+        if self.variant == "pipeline":
+            self.rolling[rolled.key] = rolled
+            rolled.add_done_callback(self.finished.put)
+        elif self.variant == "fused scoring per group":
+            self.watch(submit(empty_scoring, rolled, key=("scoring", gid), resources={"CPU": 1}, pure=False), 1)
         else:
             rewarded = submit(empty_reward, rolled, key=("reward", gid), resources={"CPU": 1}, pure=False)
-            scored = submit(empty_advantage, rewarded, key=("advantage", gid), resources={"CPU": 1}, pure=False)
+            self.watch(submit(empty_advantage, rewarded, key=("advantage", gid), resources={"CPU": 1}, pure=False), 1)
+
+    def submit_scoring(self, rolled: list) -> None:
+        """The pipeline's shape: one reward and one advantage task for the rollouts that ended in one turn."""
+        n = self.scoring_tasks
+        rewarded = self.client.submit(empty_rewards, rolled, key=("reward", n), resources={"CPU": 1}, pure=False)
+        self.watch(self.client.submit(empty_advantages, rewarded, key=("advantage", n), resources={"CPU": 1},
+                                      pure=False), len(rolled))
+
+    def watch(self, scored, groups: int) -> None:
+        self.scoring_tasks += 1
+        self.scored_groups += groups
+        self.scoring[scored.key] = (scored, groups)
         scored.add_done_callback(self.finished.put)
-        return scored
 
-    def submit_group_as_one_graph(self, gid: int):
-        import dask
-        from dask import delayed
-
-        with dask.annotate(resources={"ROLLOUT": 1}):
-            rolled = delayed(empty_rollout, pure=False)(gid, self.g, dask_key_name=("rollout", gid))
-        with dask.annotate(resources={"CPU": 1}):
-            rewarded = delayed(empty_reward, pure=False)(rolled, dask_key_name=("reward", gid))
-            scored = delayed(empty_advantage, pure=False)(rewarded, dask_key_name=("advantage", gid))
-        futures = self.client.compute([rolled, rewarded, scored], optimize_graph=False)
-        self.held[gid] = futures  # the rollout and reward futures live until the group is complete, as in the driver
-        futures[-1].add_done_callback(self.finished.put)
-        return futures[-1]
-
-    def submit_update(self, batch: list):
+    def submit_update(self, groups: list):
         u = self.next_update
         self.next_update += 1
-        groups = [future for future, _ in batch] if self.variant == "gate by futures" else [g for _, g in batch]
         checked = self.client.submit(empty_gate, u, *groups, key=("gate", u), resources={"CPU": 1}, pure=False)
         updated = self.client.submit(empty_update, checked, key=("update", u), resources={"TRAINER": 1}, pure=False)
         updated.add_done_callback(self.finished.put)
         return updated
 
     def run(self, updates: int) -> None:
-        in_flight, complete, updating, done = {}, [], None, 0
+        complete, updating, done = [], None, 0
         while done < updates:
-            while len(in_flight) < self.rbs:
-                future = self.submit_group()
-                in_flight[future.key] = future
+            while self.in_flight() < self.rbs:
+                self.submit_group()
             if updating is None and len(complete) >= self.tbs:
                 updating = self.submit_update(complete[:self.tbs])
                 complete = complete[self.tbs:]
+            finished = [self.finished.get()]
+            while not self.finished.empty():
+                finished.append(self.finished.get())
+            rolled = []
+            for future in finished:
+                if updating is not None and future.key == updating.key:
+                    future.result()
+                    updating, done = None, done + 1
+                elif future.key in self.rolling:
+                    rolled.append(self.rolling.pop(future.key))
+                elif future.key in self.scoring:
+                    result = self.scoring.pop(future.key)[0].result()  # the driver fetches every group
+                    complete.extend(result if isinstance(result, list) else [result])
+            if rolled:
+                self.submit_scoring(rolled)
+        while self.rolling or self.scoring:  # let the groups still in flight finish before the next measurement
             future = self.finished.get()
-            if updating is not None and future.key == updating.key:
-                future.result()
-                updating, done = None, done + 1
-            elif future.key in in_flight:
-                complete.append((in_flight.pop(future.key), future.result()))  # the driver fetches every group
-                self.held.pop(future.key[1], None)
-        for future in in_flight.values():
-            future.result()
+            if future.key in self.rolling:
+                self.submit_scoring([self.rolling.pop(future.key)])
+            self.scoring.pop(future.key, None)
         while not self.finished.empty():
             self.finished.get()
 
@@ -168,12 +190,14 @@ def measure(variant: str, cfg, updates: int) -> dict[str, float]:
         loop = Loop(client, variant, cfg.rollout.group_size, cfg.dora.train_batch_size, cfg.dora.rollout_batch_size)
         loop.run(5)  # warm: imports, connections
         before = role_cpu_seconds(processes)
+        tasks, scored = loop.scoring_tasks, loop.scored_groups
         start = time.perf_counter()
         loop.run(updates)
         wall = time.perf_counter() - start
         groups = updates * cfg.dora.train_batch_size
         row = {role: 1000 * (cpu - before[role]) / groups for role, cpu in role_cpu_seconds(processes).items()}
         row["wall"] = 1000 * wall / groups
+        row["groups per scoring task"] = (loop.scored_groups - scored) / max(1, loop.scoring_tasks - tasks)
         return row
     finally:
         client.close()
@@ -185,11 +209,11 @@ def table(rows: dict[str, list[dict[str, float]]]) -> str:
     mean = {v: {k: float(np.mean([r[k] for r in runs])) for k in runs[0]} for v, runs in rows.items()}
     total = {v: sum(m[r] for r in roles) for v, m in mean.items()}
     base = total["pipeline"]
-    lines = ["| shape | " + " | ".join(f"{r} CPU ms/group" for r in roles) + " | total CPU ms/group | wall ms/group | "
-             "total vs pipeline |", "|---" * (len(roles) + 4) + "|"]
+    lines = ["| shape | groups per scoring task | " + " | ".join(f"{r} CPU ms/group" for r in roles)
+             + " | total CPU ms/group | wall ms/group | total vs pipeline |", "|---" * (len(roles) + 5) + "|"]
     for v, m in mean.items():
         runs = " / ".join(f"{sum(r[k] for k in roles):.1f}" for r in rows[v])
-        lines.append(f"| {v} | " + " | ".join(f"{m[r]:.1f}" for r in roles)
+        lines.append(f"| {v} | {m['groups per scoring task']:.1f} | " + " | ".join(f"{m[r]:.1f}" for r in roles)
                      + f" | {total[v]:.1f} ({runs}) | {m['wall']:.1f} | {total[v] / base:.2f}x |")
     return "\n".join(lines)
 

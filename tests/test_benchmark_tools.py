@@ -33,9 +33,11 @@ def test_gap_report_classes_gaps_by_the_driver_state_before_them():
 
 def test_task_overhead_table_sums_the_processes_and_compares_each_shape_with_the_pipelines():
     table = load("task_overhead").table
-    run = {"driver + scheduler": 10.0, "rollout instances": 4.0, "reward/advantage": 5.0, "trainer": 1.0, "wall": 12.0}
+    run = {"driver + scheduler": 10.0, "rollout instances": 4.0, "reward/advantage": 5.0, "trainer": 1.0, "wall": 12.0,
+           "groups per scoring task": 3.0}
     half = {k: v / 2 for k, v in run.items()}
-    text = table({"pipeline": [run, run], "fused scoring": [half, run]})
-    pipeline, fused = text.splitlines()[2], text.splitlines()[3]
+    text = table({"pipeline": [run, run], "scoring per group": [half, run]})
+    pipeline, per_group = text.splitlines()[2], text.splitlines()[3]
+    assert pipeline.startswith("| pipeline | 3.0 |") and per_group.startswith("| scoring per group | 2.2 |")
     assert "| 20.0 (20.0 / 20.0) |" in pipeline and pipeline.endswith("| 1.00x |")
-    assert "| 15.0 (10.0 / 20.0) |" in fused and fused.endswith("| 0.75x |")
+    assert "| 15.0 (10.0 / 20.0) |" in per_group and per_group.endswith("| 0.75x |")
