@@ -41,3 +41,18 @@ def test_task_overhead_table_sums_the_processes_and_compares_each_shape_with_the
     assert pipeline.startswith("| pipeline | 3.0 |") and per_group.startswith("| scoring per group | 2.2 |")
     assert "| 20.0 (20.0 / 20.0) |" in pipeline and pipeline.endswith("| 1.00x |")
     assert "| 15.0 (10.0 / 20.0) |" in per_group and per_group.endswith("| 0.75x |")
+
+
+def test_handover_hops_follow_each_batchs_last_scored_group():
+    hops = load("handover_hops")
+    clock = hops.DriverClock()
+    clock.rolled = {1: 10.010, 2: 10.100}
+    clock.scoring_submitted = {1: 10.011, 2: 10.100}
+    clock.scored = {1: 10.040, 2: 10.130}
+    clock.updates = {0: (10.140, [1, 2])}  # group 2 was scored last: the update waited for it
+    rows = hops.batch_hops(clock, rollout_end={1: 10.0, 2: 10.090}, update_start={0: 10.200},
+                           previous_end={0: 10.150})
+    assert [round(1000 * x, 3) for x in rows[0]] == [10.0, 0.0, 30.0, 10.0, 10.0, 50.0]
+    text = hops.table(rows * 3)  # the first 2 updates are left out as warm-up
+    assert "| -> update starts | 50.0 | 50.0 |" in text
+    assert text.endswith("| total, rollout end -> update starts | 110.0 | 110.0 |")
