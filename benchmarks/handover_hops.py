@@ -20,10 +20,8 @@ Prints the median and mean of each hop over the steady updates (the first 2 left
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import shutil
 import sys
 import time
 
@@ -110,21 +108,13 @@ def table(rows: list[list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/longtail_bench.yaml")
-    parser.add_argument("--staleness", type=int, default=3)
-    parser.add_argument("--run-dir", default="runs/handover_hops")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-
-    from pipelines.config import load_config
+    from benchmarks import one_run
     from pipelines.run import open_run
     from pipelines.streaming import stream
     from storage.trajectory_store import TrajectoryStore
 
-    shutil.rmtree(args.run_dir, ignore_errors=True)
-    cfg = load_config(args.config, [f"dora.max_staleness={args.staleness}", f"storage.run_dir={args.run_dir}",
-                                    "tracking.live_view=false", "tracking.plots=false", *args.overrides])
+    args = one_run.parser(__doc__.split("\n")[0], "runs/handover_hops").parse_args(argv)
+    cfg = one_run.config(args)
     clock = DriverClock()
     with clock.watching(), open_run(cfg) as run:
         stream(run.driver, run)

@@ -19,7 +19,6 @@ switching shows up as a gap of tens of ms right after the instance's last older 
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import os
 import sys
@@ -73,22 +72,15 @@ def report(gaps: list[tuple[float, float]], turns: list[tuple], window: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/longtail_bench.yaml")
-    parser.add_argument("--staleness", type=int, default=3)
-    parser.add_argument("--run-dir", default="runs/rollout_gaps")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    from benchmarks import one_run
+
+    parser = one_run.parser(__doc__.split("\n")[0], "runs/rollout_gaps")
     args = parser.parse_args(argv)
 
-    import shutil
-
-    from pipelines.config import load_config
     from pipelines.run import _busy_spans, open_run
     from pipelines.streaming import stream
 
-    shutil.rmtree(args.run_dir, ignore_errors=True)
-    cfg = load_config(args.config, [f"dora.max_staleness={args.staleness}", f"storage.run_dir={args.run_dir}",
-                                    "tracking.live_view=false", "tracking.plots=false", *args.overrides])
+    cfg = one_run.config(args)
     if cfg.rollout.instances != 1:
         parser.error("the driver-state classes follow one rollout instance: use rollout.instances=1")
     turns: list[tuple] = []
