@@ -95,7 +95,7 @@ class Driver:
     attempts: dict[int, int] = field(default_factory=dict)
     complete: dict[int, Group] = field(default_factory=dict)  # fetched, not yet consumed
     unscored: list[int] = field(default_factory=list)  # rolled out this turn, scoring not submitted yet
-    scoring: dict[str, list[int]] = field(default_factory=dict)  # advantage key -> the groups it scores
+    scoring: dict[tuple, list[int]] = field(default_factory=dict)  # advantage key -> the groups it scores
     scoring_batches: int = 0
     update_futures: dict[Future, str] = field(default_factory=dict)  # update/eval future -> kind
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
@@ -178,7 +178,8 @@ class Driver:
         self.unscored.clear()
         t, a = self.cfg.task, self.cfg.train
         for gids in by_instance.values():
-            n = self.scoring_batches = self.scoring_batches + 1
+            self.scoring_batches += 1
+            n = self.scoring_batches
             rolled = [self.in_flight[g].futures[0] for g in gids]
             rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
                                           key=("reward", n), resources=CPU, pure=False)
