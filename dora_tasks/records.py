@@ -31,9 +31,29 @@ class Generation:
     finished: bool  # True when the response ended with EOS, False when cut at max_new_tokens
 
 
+def _pack(array) -> tuple[str, tuple[int, ...], bytes]:
+    a = np.asarray(array)
+    return a.dtype.str, a.shape, a.tobytes()
+
+
+def _unpack(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def _trajectory(group_id, sample_idx, arrays, finished, reward, reward_error, advantage) -> Trajectory:
+    prompt_ids, response_ids, versions, behaviour_logprobs = (_unpack(*a) for a in arrays)
+    return Trajectory(group_id, sample_idx, prompt_ids, response_ids, versions, behaviour_logprobs, finished, reward,
+                      reward_error, advantage)
+
+
 @dataclass
 class Trajectory:
-    """One response to one prompt, with everything the trainer and the audit need."""
+    """One response to one prompt, with everything the trainer and the audit need.
+
+    Pickled with its four arrays as plain bytes: Dask pickles with protocol 5 and sends every numpy array out of band
+    as a frame of its own, 257 frames for a batch of 8 groups of 8 (measured: dumps 2.5 ms, loads 0.39 ms), against 2
+    frames (0.46 and 0.18 ms) in band. The arrays are small; the frames' overhead is what costs.
+    """
 
     group_id: int
     sample_idx: int
@@ -45,6 +65,11 @@ class Trajectory:
     reward: float = float("nan")
     reward_error: str = ""  # exception text or "timeout"; empty when the reward function returned a number
     advantage: float = float("nan")
+
+    def __reduce__(self):
+        arrays = tuple(_pack(a) for a in (self.prompt_ids, self.response_ids, self.versions, self.behaviour_logprobs))
+        return _trajectory, (self.group_id, self.sample_idx, arrays, self.finished, self.reward, self.reward_error,
+                             self.advantage)
 
     @property
     def num_tokens(self) -> int:
