@@ -26,3 +26,10 @@ def test_a_group_is_one_frame_on_the_wire_and_comes_back_equal_and_writable():
         for name in ("prompt_ids", "response_ids", "versions", "behaviour_logprobs"):
             x, y = getattr(a, name), getattr(b, name)
             assert y.dtype == x.dtype and np.array_equal(x, y) and y.flags.writeable
+
+
+def test_the_pickled_form_covers_every_field_of_a_trajectory():
+    from dataclasses import fields
+
+    _, (_group_id, _sample_idx, arrays, *rest) = trajectory(0).__reduce__()
+    assert 2 + len(arrays) + len(rest) == len(fields(Trajectory)), "a field was added: update Trajectory.__reduce__"
