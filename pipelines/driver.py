@@ -138,7 +138,8 @@ class Driver:
             lost = self.in_flight.pop(gid)
             log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
             self.client.cancel(lost.futures)  # a scoring batch holds groups of one instance only
-        self.scoring = {key: gids for key, gids in self.scoring.items() if not set(gids) & set(scoring)}
+        given_up = set(scoring)
+        self.scoring = {key: gids for key, gids in self.scoring.items() if given_up.isdisjoint(gids)}
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
