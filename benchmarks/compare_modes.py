@@ -64,12 +64,14 @@ MODES = [  # (name, overrides, cluster shape: overrides of the embedded cluster;
 ]
 QUICK = ["dora.train_batch_size=4", "dora.rollout_batch_size=8", "rollout.group_size=4", "task.eval_prompts=16"]
 COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat
-    ("mode", "mode", "{}"), ("tokens/s", "throughput_text", "{}"), ("step s", "step_time_s", "{:.2f}"),
+    ("mode", "mode", "{}"), ("tokens/s", "throughput_text", "{}"),
+    ("tokens per trajectory", "tokens_per_trajectory", "{:.1f}"), ("step s", "step_time_s", "{:.2f}"),
     ("rollout bubble", "rollout_bubble", "{:.0%}"), ("trainer bubble", "trainer_bubble", "{:.0%}"),
     ("non-overlapped rollout", "non_overlapped_rollout_share", "{:.0%}"), ("max staleness", "max_staleness", "{}"),
     ("C1 violations", "c1_text", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
     ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s", "time_to_target_s", "{:.1f}"),
     ("speed-up vs K=0 (same shape)", "speedup_text", "{}"), ("vs fastest K=0", "speedup_best_text", "{}"),
+    ("trajectories/s vs K=0 (same shape)", "speedup_steps_text", "{}"),
 ]
 log = logging.getLogger("compare_modes")
 
@@ -401,7 +403,11 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
 # ---- table -------------------------------------------------------------------------------------------------------
 def finish_runs(runs: list[dict], target: float, n: int) -> None:
     """Per run: initial/final accuracy, time to target, speed-up over the K=0 run of the same repeat on the same
-    cluster shape (TRL: on the config's shape) and over the fastest K=0 run of that repeat (any shape)."""
+    cluster shape (TRL: on the config's shape) and over the fastest K=0 run of that repeat (any shape), and the same
+    in trajectories per second (K=0's step time over the run's: every run trains the same number of trajectories).
+
+    Tokens/s favours a policy that drifts to longer responses (each update then consumes more tokens for the same
+    work of the pipeline); tokens per trajectory and the trajectories/s speed-up show where that happens."""
     for run in runs:
         acc = run.get("accuracy") or {}
         if acc:
@@ -414,6 +420,9 @@ def finish_runs(runs: list[dict], target: float, n: int) -> None:
         tput = run["throughput_tokens_per_s"]
         run["speedup"] = tput / base["throughput_tokens_per_s"] if base else float("nan")
         run["speedup_best"] = tput / fastest["throughput_tokens_per_s"] if fastest else float("nan")
+        run["speedup_steps"] = base["step_time_s"] / run["step_time_s"] if base else float("nan")
+        trajectories = run.get("trained_trajectories")
+        run["tokens_per_trajectory"] = run.get("consumed_tokens", 0) / trajectories if trajectories else float("nan")
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -431,7 +440,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
         median_ttt = float(np.median(ttt))
         row = {k: mean(k) for k in ("throughput_tokens_per_s", "step_time_s", "rollout_bubble", "trainer_bubble",
                                     "non_overlapped_rollout_share", "initial_accuracy", "final_accuracy", "wall_s",
-                                    "speedup", "speedup_best")}
+                                    "speedup", "speedup_best", "speedup_steps", "tokens_per_trajectory")}
         row.update({
             "mode": mode, "repeats": len(mine),
             "throughput_text": f"{row['throughput_tokens_per_s']:.0f} ({' / '.join(f'{t:.0f}' for t in tput)})",
@@ -440,7 +449,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
             "accuracy_text": f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}",
             "time_to_target_s": None if math.isinf(median_ttt) else median_ttt,
         })
-        for key in ("speedup", "speedup_best"):
+        for key in ("speedup", "speedup_best", "speedup_steps"):
             row[f"{key}_text"] = f"{row[key]:.2f}x ({' / '.join(f'{r[key]:.2f}' for r in mine)})"
         rows.append(row)
     return rows
@@ -580,6 +589,7 @@ def main(argv=None) -> int:
                 trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say, threads=threads,
                               eval_every=args.eval_every if args.eval_every is not None else 2)
                 trl.update(repeat=repeat, trained_prompts=n * cfg.dora.train_batch_size,
+                           trained_trajectories=n * cfg.dora.train_batch_size * cfg.rollout.group_size,
                            load_average=[load_before, os.getloadavg()[0]])
                 runs.append(trl)
     finish_runs(runs, target, n)

@@ -56,3 +56,23 @@ def test_handover_hops_follow_each_batchs_last_scored_group():
     text = hops.table(rows * 3)  # the first 2 updates are left out as warm-up
     assert "| -> update starts | 50.0 | 50.0 |" in text
     assert text.endswith("| total, rollout end -> update starts | 110.0 | 110.0 |")
+
+
+def test_speed_ups_are_given_in_tokens_and_in_trajectories_so_longer_responses_cannot_hide_in_tokens_per_s():
+    tools = load("compare_modes")
+    shape = "1 rollout x 16 slots + 1 trainer"
+
+    def run(mode, tokens_per_s, step_s, tokens):
+        return {"mode": mode, "repeat": 0, "shape": shape, "throughput_tokens_per_s": tokens_per_s,
+                "step_time_s": step_s, "trained_trajectories": 1000, "consumed_tokens": tokens,
+                "max_staleness": 0, "c1_violations": 0, "accuracy": {}, "accuracy_curve": []}
+
+    # K=3 reports 2.5x the tokens/s, but its responses grew by a quarter: per trajectory it is 2x
+    runs = [run("sync K=0", 1000.0, 0.4, 30_000), run("DORA K=3", 2500.0, 0.2, 37_500)]
+    tools.finish_runs(runs, target=0.5, n=20)
+    k3 = runs[1]
+    assert k3["speedup"] == 2.5 and k3["speedup_steps"] == 2.0
+    assert k3["tokens_per_trajectory"] == 37.5 and runs[0]["tokens_per_trajectory"] == 30.0
+    row = tools.aggregate(runs)[1]
+    assert row["speedup_steps_text"] == "2.00x (2.00)"
+    assert "| 37.5 |" in tools.table([row])
