@@ -357,8 +357,11 @@ def idle_split(groups: dict, servers: dict, start: float, end: float) -> dict:
 
 # ---- accuracy over time ------------------------------------------------------------------------------------------
 def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
-    """Evaluate each mode's kept versions at `eval_every` (off the clock), on the cluster's workers in parallel."""
+    """Evaluate each mode's kept versions at `eval_every` (off the clock) on the cluster's CPU workers, as the pipeline
+    evaluates (on the engine workers, several at once at 256 prompts, they outgrew the workers' memory limit). A
+    version whose evaluation fails is left out of its curve with a warning; the runs' results are kept."""
     from dora_tasks import steps
+    from pipelines.driver import CPU
     from dora_tasks.model import load_tokenizer
     from dora_tasks.workloads.datasets import load_prompts
 
@@ -375,8 +378,13 @@ def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
                 continue
             futures[(row["mode"], row["repeat"], v)] = client.submit(
                 steps.evaluate, path, eval_prompts, cfg.model.path, cfg.task.reward_fn, cfg.rollout.max_new_tokens,
-                cfg.dora.seed, key=("bench-evaluate", row["mode"], row["repeat"], v), pure=False)
-    results = {k: f.result() for k, f in futures.items()}
+                cfg.dora.seed, key=("bench-evaluate", row["mode"], row["repeat"], v), resources=CPU, pure=False)
+    results = {}
+    for k, future in futures.items():
+        try:
+            results[k] = future.result()
+        except Exception as exc:  # noqa: BLE001 (one failed evaluation must not lose the pass)
+            log.warning("evaluation of %s repeat %s version %s failed, left out of its curve: %s", *k, exc)
     for row in rows:
         for v in wanted:
             if (row["mode"], row["repeat"], v) in results:
