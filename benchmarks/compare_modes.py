@@ -361,9 +361,9 @@ def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
     evaluates (on the engine workers, several at once at 256 prompts, they outgrew the workers' memory limit). A
     version whose evaluation fails is left out of its curve with a warning; the runs' results are kept."""
     from dora_tasks import steps
-    from pipelines.driver import CPU
     from dora_tasks.model import load_tokenizer
     from dora_tasks.workloads.datasets import load_prompts
+    from pipelines.driver import CPU
 
     _, eval_prompts = load_prompts(cfg.task, load_tokenizer(cfg.model.path), cfg.dora.seed)
     n = cfg.dora.num_updates
