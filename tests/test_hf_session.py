@@ -1,14 +1,17 @@
-"""Continuous batching with the KV cache kept across chunks (`DecodeSession`): rows join, leave and continue between
-chunks, and every token's log-prob and every greedy token are those of a from-scratch computation."""
+"""Continuous batching with the KV cache kept across chunks (`DecodeSession` on transformers' forward and
+`FastDecodeSession` with the step written out): rows join, leave and continue between chunks, and every token's
+log-prob and every greedy token are those of a from-scratch computation."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from dora_tasks.engines.fast_session import FastDecodeSession, supports
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
-from dora_tasks.engines.hf_session import _top_p
+from dora_tasks.engines.hf_session import DecodeSession, _top_p
 from dora_tasks.model import CharTokenizer, build_model, save_policy
 from pipelines.config import ModelConfig, RolloutConfig
 
@@ -51,19 +54,23 @@ def run_session(session, chunk: int, budget: int) -> dict:
     raise AssertionError("the session never emptied")
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_session_logprobs_equal_a_recompute_across_joins_and_chunks(policy, temperature):
-    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=40, temperature=temperature))
-    out = run_session(engine.open_session(), chunk=5, budget=40)
+def test_session_logprobs_equal_a_recompute_across_joins_and_chunks(policy, temperature, fast):
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=40, temperature=temperature, fast_decode=fast))
+    session = engine.open_session()
+    assert isinstance(session, FastDecodeSession) == fast
+    out = run_session(session, chunk=5, budget=40)
     assert max(len(toks) for toks, _, _ in out.values()) > 10  # responses continue over several chunks
     for k, (toks, lps, finished) in out.items():
         np.testing.assert_allclose(lps, recomputed(engine.model, PROMPTS[k], toks, temperature), atol=1e-4)
         assert finished == (toks[-1] in engine.eos_ids) and all(t not in engine.eos_ids for t in toks[:-1])
 
 
-def test_greedy_session_decodes_what_generate_decodes(policy):
-    """Joins (left padding to another length), leaving rows and chunk boundaries change nothing."""
-    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=30), do_sample=False)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+def test_greedy_session_decodes_what_generate_decodes(policy, fast):
+    """Joins (rows of other lengths), leaving rows and chunk boundaries change nothing."""
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=30, fast_decode=fast), do_sample=False)
     out = run_session(engine.open_session(), chunk=4, budget=30)
     reference = engine.generate(PROMPTS, n=1, seed=0)
     for k, (toks, _, _) in out.items():
@@ -102,3 +109,48 @@ def test_rollout_server_answers_the_same_with_and_without_the_kept_cache(policy,
     assert answers[True] == answers[False] and len(answers[True]) == len(PROMPTS)
     reference = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False).generate(PROMPTS, 1, 0)
     assert all(answers[True][k][0] == reference[k][0].token_ids.tolist() for k in range(len(PROMPTS)))
+
+
+def llama_gqa() -> transformers.LlamaForCausalLM:
+    """A Llama layout with grouped-query attention (4 query heads, 1 key/value head) and no projection biases."""
+    config = transformers.LlamaConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_fast_session_on_llama_with_grouped_query_attention_and_grown_buffers():
+    """Past the first 64 columns (the buffers double) and with rows joining in two rounds (they grow on the batch
+    axis), every log-prob is the from-scratch one, and the next-token logits match transformers' forward."""
+    model = llama_gqa()
+    assert supports(model)
+    session = FastDecodeSession(model, [2], 0, version=0)
+    out = run_session(session, chunk=7, budget=90)
+    assert max(len(toks) for toks, _, _ in out.values()) > 64
+    for k, (toks, lps, _) in out.items():
+        np.testing.assert_allclose(lps, recomputed(model, PROMPTS[k], toks, 1.0), atol=1e-4)
+    session = FastDecodeSession(model, [2], 0, version=0, do_sample=False)
+    for k, ids in enumerate(PROMPTS):
+        session.add(k, ids)
+    grown = {k: g.token_ids.tolist() for k, g in session.decode({k: 3 for k in range(len(PROMPTS))}, seed=1).items()}
+    session.drop([1])
+    assert set(session.keys) == {k for k, toks in grown.items() if k != 1 and toks[-1] != 2}
+    for row, k in enumerate(session.keys):
+        ids = torch.tensor([PROMPTS[k] + grown[k]])
+        assert int(session.lengths[row]) == ids.shape[1]
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits[0, -1]
+        torch.testing.assert_close(session.next_logits[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_session_refuses_what_it_was_not_written_for(policy):
+    sliding = transformers.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                       use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    model = transformers.Qwen2ForCausalLM(sliding).eval()
+    assert not supports(model)
+    with pytest.raises(ValueError, match="does not support"):
+        FastDecodeSession(model, [2], 0, version=0)
+    engine = HFRolloutEngine.from_model(model, RolloutConfig(max_new_tokens=8))
+    assert isinstance(engine.open_session(), DecodeSession)

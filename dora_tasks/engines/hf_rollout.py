@@ -120,12 +120,17 @@ class HFRolloutEngine(RolloutEngine):
             pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True, **sampling)
 
     def open_session(self):
-        """A `DecodeSession` on the loaded version: continuous batching with the KV cache kept across chunks."""
+        """A session on the loaded version: continuous batching with the KV cache kept across chunks; the
+        `FastDecodeSession` where `rollout.fast_decode` is on and the model's layout is one it knows, else the
+        `DecodeSession` on transformers' forward."""
+        from dora_tasks.engines import fast_session
         from dora_tasks.engines.hf_session import DecodeSession
 
-        sampling = self.generation_config.do_sample
-        return DecodeSession(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature,
-                             self.cfg.top_p, do_sample=sampling)
+        kind = fast_session.FastDecodeSession
+        if not (self.cfg.fast_decode and fast_session.supports(self.model)):
+            kind = DecodeSession
+        return kind(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature, self.cfg.top_p,
+                    do_sample=self.generation_config.do_sample)
 
     def load_version(self, version: int, weights_path: str) -> None:
         with torch.no_grad():

@@ -64,7 +64,8 @@ class DecodeSession:
             active = (budget > t).nonzero().squeeze(1)
             if len(active) == 0:
                 break
-            tokens, logprobs = self._sample(self.next_logits.index_select(0, active), generator)
+            tokens, logprobs = sample_next(self.next_logits.index_select(0, active), generator, self.temperature,
+                                           self.top_p, self.do_sample)
             for i, tok, lp in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
                 out[self.keys[i]][0].append(tok)
                 out[self.keys[i]][1].append(lp)
@@ -82,18 +83,6 @@ class DecodeSession:
                 for k, (toks, lps) in out.items()}
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.float()
-        if not self.do_sample:
-            tokens = logits.argmax(-1)
-            return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(1)
-        scores = logits / self.temperature
-        if self.top_p < 1.0:
-            scores = _top_p(scores, self.top_p)
-        logp = torch.log_softmax(scores, -1)
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(1)
-
     def _step(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Feed `tokens` to `rows` (the other rows are idle this step: they stay, and get a masked column)."""
         n = len(self.keys)
@@ -152,6 +141,22 @@ class DecodeSession:
             layer.values = layer.values.index_select(0, index)[:, :, start:]
         self.positions = self.positions.index_select(0, index)
         self.next_logits = self.next_logits.index_select(0, index)
+
+
+def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: float, top_p: float,
+                do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], log-probs [B]) of one draw per row: temperature, then top-p; greedy takes the argmax and records
+    the raw log-softmax."""
+    logits = logits.float()
+    if not do_sample:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(1)
+    scores = logits / temperature
+    if top_p < 1.0:
+        scores = _top_p(scores, top_p)
+    logp = torch.log_softmax(scores, -1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(1)
 
 
 def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
