@@ -15,8 +15,8 @@ Batching (``rollout.chunk_tokens``):
 * ``> 0``, continuous batching at chunk granularity: generation proceeds in chunks of ``chunk_tokens`` tokens; between
   chunks, requests whose responses all ended are handed back at once and newly arrived requests **of the loaded
   version** join. On an engine with ``open_session`` (transformers) the running rows keep their KV cache between
-  chunks (``rollout.keep_kv_cache``, `dora_tasks.engines.hf_session`); otherwise a response that continues is
-  re-encoded from its prompt plus the tokens so far by the same weights (vLLM's prefix cache keeps that cheap).
+  chunks (``rollout.keep_kv_cache``; `dora_tasks.engines.fast_session`, or `dora_tasks.engines.hf_session`);
+  otherwise a response that continues is re-encoded from its prompt plus the tokens so far by the same weights (vLLM's prefix cache keeps that cheap).
   The loaded version never changes while a response is active, so C1 holds; a request
   of another version waits until the active ones have drained. A long response therefore no longer holds back
   the groups queued behind it: they are decoded in the same steps, which is what keeps an instance's batch full

@@ -10,7 +10,9 @@ log-prob, which is what a trainer recomputes. Greedy decoding (`do_sample=False`
 log-softmax of the logits.
 
 `generate` decodes a batch until its longest row ends; the rollout server's continuous batching uses
-`open_session` (`dora_tasks.engines.hf_session`), which keeps the KV cache of running rows between chunks.
+`open_session`, which keeps the KV cache of running rows between chunks: `dora_tasks.engines.fast_session` (the
+decode step written out in plain torch, `rollout.fast_decode`, Qwen2/Llama layouts) or
+`dora_tasks.engines.hf_session` (transformers' forward).
 """
 from __future__ import annotations
 
