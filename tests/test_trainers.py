@@ -163,6 +163,49 @@ def test_save_weights_gives_a_loadable_folder_with_the_trainers_logprobs(tiny_mo
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def tied_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model's shape with the embedding tied to lm_head (as `dora_tasks.model.build_model` builds them)."""
+    import shutil
+
+    config = Qwen2Config.from_pretrained(tiny_model)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("tiny_tied"))
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    for name in os.listdir(tiny_model):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny_model, name), out)
+    return out
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("single_file", [True, False], ids=["safetensors", "save_pretrained"])
+def test_published_folder_holds_what_save_pretrained_writes(tiny_model, tied_model, batch, tmp_path, monkeypatch,
+                                                            single_file, tied):
+    """The trainer's fast single-file write and the `save_pretrained` fallback give the same tensors under the same
+    names (a tied lm_head left out) and the same config."""
+    from safetensors.torch import load_file
+
+    from dora_tasks.engines import hf_io
+
+    if not single_file:
+        monkeypatch.setattr(hf_io, "SINGLE_FILE_BYTES", 0)
+    engine = TorchTrainEngine(tied_model if tied else tiny_model, TrainConfig(lr=1e-2))
+    engine.train_step(batch)
+    engine.save_weights(str(tmp_path / "ours"))
+    engine.model.save_pretrained(str(tmp_path / "reference"))
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    reference = load_file(tmp_path / "reference" / "model.safetensors")
+    assert sorted(ours) == sorted(reference) and ("lm_head.weight" in ours) == (not tied)
+    assert all(torch.equal(ours[k], reference[k]) for k in ours)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    ignore = {"_name_or_path"}
+    assert ({k: v for k, v in loaded.config.to_dict().items() if k not in ignore}
+            == {k: v for k, v in engine.model.config.to_dict().items() if k not in ignore})
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), engine.model.state_dict().values()))
+
+
 def test_checkpoint_round_trip_reproduces_the_next_step(tiny_model, tmp_path):
     first, second = make_batch(tiny_model, seed=1), make_batch(tiny_model, seed=2, update=1)
     cfg = TrainConfig(lr=1e-2, micro_batch=4)

