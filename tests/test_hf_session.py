@@ -154,3 +154,15 @@ def test_fast_session_refuses_what_it_was_not_written_for(policy):
         FastDecodeSession(model, [2], 0, version=0)
     engine = HFRolloutEngine.from_model(model, RolloutConfig(max_new_tokens=8))
     assert isinstance(engine.open_session(), DecodeSession)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+def test_a_row_dropped_before_its_prefill_never_decodes_and_an_empty_row_is_refused(policy, fast):
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=8, fast_decode=fast), do_sample=False)
+    session = engine.open_session()
+    session.add("kept", PROMPTS[0])
+    session.add("dropped", PROMPTS[1])
+    session.drop(["dropped"])
+    assert len(session) == 1 and set(session.decode({"kept": 4, "dropped": 4}, seed=0)) == {"kept"}
+    with pytest.raises(ValueError, match="no tokens"):
+        session.add("empty", [])

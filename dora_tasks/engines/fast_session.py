@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dora_tasks.engines.hf_session import sample_next
+from dora_tasks.engines.hf_session import SessionRows, sample_next
 from dora_tasks.records import Generation
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -53,28 +53,22 @@ def supports(model) -> bool:
     return not any(hasattr(layer.self_attn, "q_norm") for layer in layers)
 
 
-class FastDecodeSession:
+class FastDecodeSession(SessionRows):
     def __init__(self, model, eos_ids: Sequence[int], pad_id: int, version: int, temperature: float = 1.0,
                  top_p: float = 1.0, do_sample: bool = True) -> None:
         if not supports(model):
             raise ValueError(f"FastDecodeSession does not support {type(model).__name__} "
                              f"(model_type {getattr(model.config, 'model_type', None)!r}); use DecodeSession")
-        self.model, self.version = model, version
-        self.eos = torch.tensor(list(eos_ids), dtype=torch.long)
-        self.pad_id = pad_id
-        self.temperature, self.top_p, self.do_sample = temperature, top_p, do_sample
+        super().__init__(model, eos_ids, pad_id, version, temperature, top_p, do_sample)
         config = model.config
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self._capture_weights(model)
-        self.keys: list[Hashable] = []  # row keys, in buffer order
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] tokens in the cache of each row
-        self.next_logits: torch.Tensor | None = None  # [B, V] distribution of each row's next token
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
-        self._joining: list[tuple[Hashable, list[int]]] = []
 
     def _capture_weights(self, model) -> None:
         """The loaded version's weights, q/k/v and gate/up fused into one matrix each (a session serves one
@@ -84,21 +78,6 @@ class FastDecodeSession:
         self._final_norm, self._lm_head = inner.norm.weight.detach(), model.lm_head.weight.detach()
         self._layers = [_LayerWeights.of(layer) for layer in inner.layers]
         self._cos = self._sin = torch.zeros(0)  # [positions, D], grown with the buffers (`_rotary_table`)
-
-    def __len__(self) -> int:
-        return len(self.keys) + len(self._joining)
-
-    def add(self, key: Hashable, ids: Sequence[int]) -> None:
-        """Queue a row (its prompt, or prompt + tokens so far); it is prefilled at the next `decode`."""
-        if len(ids) == 0:
-            raise ValueError(f"row {key!r} has no tokens; a row starts from at least one prompt token")
-        self._joining.append((key, list(ids)))
-
-    def drop(self, keys: Sequence[Hashable]) -> None:
-        """Remove rows (their response ended elsewhere: a budget the caller tracks)."""
-        gone = set(keys)
-        self._joining = [(k, ids) for k, ids in self._joining if k not in gone]
-        self._keep([i for i, k in enumerate(self.keys) if k not in gone])
 
     @torch.no_grad()
     def decode(self, steps: dict[Hashable, int], seed: int) -> dict[Hashable, Generation]:

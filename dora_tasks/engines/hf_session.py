@@ -25,7 +25,11 @@ from dora_tasks.engines.hf_rollout import left_pad
 from dora_tasks.records import Generation
 
 
-class DecodeSession:
+class SessionRows:
+    """What both decode sessions share: the loaded version, the sampling settings, the rows (in cache order) and the
+    rows waiting to be prefilled at the next `decode`. A subclass keeps its cache and implements `decode` and
+    `_keep(rows)` (keep only those rows, in order)."""
+
     def __init__(self, model, eos_ids: Sequence[int], pad_id: int, version: int, temperature: float = 1.0,
                  top_p: float = 1.0, do_sample: bool = True) -> None:
         self.model, self.version = model, version
@@ -33,9 +37,6 @@ class DecodeSession:
         self.pad_id = pad_id
         self.temperature, self.top_p, self.do_sample = temperature, top_p, do_sample
         self.keys: list[Hashable] = []  # row keys, in cache order
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [B, L] 1 on real tokens
-        self.positions = torch.zeros(0, dtype=torch.long)  # [B] position of each row's next token
         self.next_logits: torch.Tensor | None = None  # [B, V] distribution of each row's next token
         self._joining: list[tuple[Hashable, list[int]]] = []
 
@@ -44,12 +45,26 @@ class DecodeSession:
 
     def add(self, key: Hashable, ids: Sequence[int]) -> None:
         """Queue a row (its prompt, or prompt + tokens so far); it is prefilled at the next `decode`."""
+        if len(ids) == 0:
+            raise ValueError(f"row {key!r} has no tokens; a row starts from at least one prompt token")
         self._joining.append((key, list(ids)))
 
     def drop(self, keys: Sequence[Hashable]) -> None:
         """Remove rows (their response ended elsewhere: a budget the caller tracks)."""
         gone = set(keys)
+        self._joining = [(k, ids) for k, ids in self._joining if k not in gone]
         self._keep([i for i, k in enumerate(self.keys) if k not in gone])
+
+    def _keep(self, rows: list[int]) -> None:
+        raise NotImplementedError
+
+
+class DecodeSession(SessionRows):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [B, L] 1 on real tokens
+        self.positions = torch.zeros(0, dtype=torch.long)  # [B] position of each row's next token
 
     @torch.no_grad()
     def decode(self, steps: dict[Hashable, int], seed: int) -> dict[Hashable, Generation]:
