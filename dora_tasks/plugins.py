@@ -9,7 +9,6 @@ lazily on first use (engine start takes seconds), and is set up again by Dask wh
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -18,29 +17,12 @@ from distributed import WorkerPlugin, get_worker
 from dora_tasks.allocator import relax_malloc_trimming
 from pipelines.config import RolloutConfig, TrainConfig
 
-logger = logging.getLogger(__name__)
 ROLLOUT_PLUGIN = "dora-rollout"
 TRAINER_PLUGIN = "dora-trainer"
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-
-
-_START_NICE = os.getpriority(os.PRIO_PROCESS, 0)  # the worker process's niceness before any plugin changed it
-
-
-def set_niceness(increment: int) -> int:
-    """Set this process's niceness to its start value + `increment` (idempotent: every run registers the plugin
-    again on a long-lived worker); returns the niceness now. Lowering it again needs privileges: where the system
-    refuses, the process keeps its current niceness and a warning says so."""
-    target = min(19, _START_NICE + increment)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, target)
-    except PermissionError:
-        logger.warning("cannot lower this worker's niceness to %d (now %d) without privileges", target,
-                       os.getpriority(os.PRIO_PROCESS, 0))
-    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _set_worker_env() -> None:
@@ -64,7 +46,6 @@ class RolloutPlugin(WorkerPlugin):
         if "ROLLOUT" not in worker.state.total_resources:
             return
         _set_worker_env()
-        set_niceness(self.rollout.nice)
         from dora_tasks.engines.rollout_factory import make_rollout_engine
         from dora_tasks.rollout_server import RolloutServer
 

@@ -90,8 +90,6 @@ class RolloutConfig:
     #                           (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false: transformers' forward
     queue_while_draining: bool = False  # new groups of the newest version queue on an instance still finishing an
     #                                     older version's groups (pipelines/orchestrator.py, "Queued switching")
-    nice: int = 0  # niceness of the rollout workers above their start value (0-19; `renice`): where rollout and the
-    #                trainer share cores and the trainer is the slower side, the trainer gets the CPU first
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
 
     def validate(self) -> None:
@@ -107,7 +105,6 @@ class RolloutConfig:
         _require(self.chunk_tokens >= 1 or not self.partial_rollout, "rollout.chunk_tokens",
                  "must be >= 1 with rollout.partial_rollout=true (the newest version is loaded between chunks)")
         _require(self.kv_cache_bytes > 0, "rollout.kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
-        _require(0 <= self.nice <= 19, "rollout.nice", f"must be in 0..19, got {self.nice}")
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """The nanny's MALLOC_TRIM_THRESHOLD_ makes every tensor above 128 KiB an mmap of fresh pages; the engines' workers
-undo it (`dora_tasks/allocator.py`). Measured as page faults of a loop that allocates and frees 1 MiB tensors. Also
-the rollout workers' niceness (`rollout.nice`, `dora_tasks/plugins.py`)."""
+undo it (`dora_tasks/allocator.py`). Measured as page faults of a loop that allocates and frees 1 MiB tensors."""
 from __future__ import annotations
 
 import subprocess
@@ -52,19 +51,3 @@ def test_the_trainer_worker_of_a_nanny_cluster_gets_the_relaxed_thresholds(tmp_p
         client.submit(page_faults_of_allocations, pure=False).result()
         after = client.submit(page_faults_of_allocations, pure=False).result()
     assert before > ALLOCATIONS * 100 and after < before / 20, (before, after)
-
-
-def test_rollout_niceness_is_set_from_the_start_value_and_not_stacked_by_each_run():
-    """`rollout.nice` on a worker process that every run's plugin sets up again: start + n, not start + k*n."""
-    code = ("from dora_tasks.plugins import _START_NICE, set_niceness; "
-            "print(_START_NICE, set_niceness(3), set_niceness(3), set_niceness(5))")
-    start, first, again, more = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                                        check=True).stdout.split())
-    assert (first, again, more) == (min(19, start + 3), min(19, start + 3), min(19, start + 5))
-
-
-def test_rollout_nice_outside_0_to_19_is_refused():
-    from pipelines.config import ConfigError, RolloutConfig
-
-    with pytest.raises(ConfigError, match="rollout.nice"):
-        RolloutConfig(nice=20).validate()
