@@ -86,8 +86,9 @@ class RolloutConfig:
     #                         this many tokens; 0 = static batches (a batch runs until its longest response ends)
     keep_kv_cache: bool = True  # continuous batching on the transformers engine keeps running rows' KV cache between
     #                             chunks (false: prompt + tokens so far are re-encoded at every chunk)
-    fast_decode: bool = True  # with the kept cache, decode steps written out in plain torch over the model's modules
-    #                           (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false: transformers' forward
+    fast_decode: bool = True  # with the kept cache, decode steps written out in plain torch over the loaded version's
+    #                           fused weights (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false:
+    #                           transformers' forward
     queue_while_draining: bool = False  # new groups of the newest version queue on an instance still finishing an
     #                                     older version's groups (pipelines/orchestrator.py, "Queued switching")
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
