@@ -32,6 +32,12 @@ def recomputed(model, prompt, tokens, temperature: float) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(tokens).long()[:, None])[:, 0].numpy()
 
 
+def transformers_greedy(policy, budget: int):
+    """Greedy responses of `PROMPTS` by transformers' own `generate` (the reference for both sessions)."""
+    engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=budget, fast_decode=False), do_sample=False)
+    return engine.generate(PROMPTS, n=1, seed=0)
+
+
 def run_session(session, chunk: int, budget: int) -> dict:
     """Rows 0 and 1 start, rows 2 and 3 join after the first chunk; chunks of `chunk` tokens until every row ends."""
     grown = {k: ([], []) for k in range(len(PROMPTS))}
@@ -72,7 +78,7 @@ def test_greedy_session_decodes_what_generate_decodes(policy, fast):
     """Joins (rows of other lengths), leaving rows and chunk boundaries change nothing."""
     engine = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=30, fast_decode=fast), do_sample=False)
     out = run_session(engine.open_session(), chunk=4, budget=30)
-    reference = engine.generate(PROMPTS, n=1, seed=0)
+    reference = transformers_greedy(policy, 30)
     for k, (toks, _, _) in out.items():
         assert toks == reference[k][0].token_ids.tolist()
 
@@ -107,7 +113,7 @@ def test_rollout_server_answers_the_same_with_and_without_the_kept_cache(policy,
             t.join(60)
         server.close()
     assert answers[True] == answers[False] and len(answers[True]) == len(PROMPTS)
-    reference = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=24), do_sample=False).generate(PROMPTS, 1, 0)
+    reference = transformers_greedy(policy, 24)
     assert all(answers[True][k][0] == reference[k][0].token_ids.tolist() for k in range(len(PROMPTS)))
 
 
@@ -166,3 +172,17 @@ def test_a_row_dropped_before_its_prefill_never_decodes_and_an_empty_row_is_refu
     assert len(session) == 1 and set(session.decode({"kept": 4, "dropped": 4}, seed=0)) == {"kept"}
     with pytest.raises(ValueError, match="no tokens"):
         session.add("empty", [])
+
+
+@pytest.mark.parametrize("budget", [1, 5, 30])
+def test_greedy_generate_on_the_fast_session_is_transformers_generate(policy, budget):
+    """Evaluation's greedy `generate` runs through the fast session in chunks: the same tokens, log-probs and ends
+    as transformers' `generate`, for n > 1 and for budgets that cut responses short."""
+    fast = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=budget), do_sample=False)
+    slow = HFRolloutEngine(policy, RolloutConfig(max_new_tokens=budget, fast_decode=False), do_sample=False)
+    ours, theirs = fast.generate(PROMPTS, n=2, seed=3), slow.generate(PROMPTS, n=2, seed=3)
+    for row_ours, row_theirs in zip(ours, theirs):
+        assert len(row_ours) == 2
+        for a, b in zip(row_ours, row_theirs):
+            assert a.token_ids.tolist() == b.token_ids.tolist() and a.finished == b.finished
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

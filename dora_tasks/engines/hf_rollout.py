@@ -9,7 +9,8 @@ log-softmax of the processed scores (`logits / temperature`, then top-p truncati
 log-prob, which is what a trainer recomputes. Greedy decoding (`do_sample=False`, for evaluation) records the raw
 log-softmax of the logits.
 
-`generate` decodes a batch until its longest row ends; the rollout server's continuous batching uses
+`generate` decodes a batch until its longest row ends (greedy `generate` on the fast session: in chunks, ended rows
+leaving between them; evaluation is greedy); the rollout server's continuous batching uses
 `open_session`, which keeps the KV cache of running rows between chunks: `dora_tasks.engines.fast_session` (the
 decode step written out in plain torch, `rollout.fast_decode`, Qwen2/Llama layouts) or
 `dora_tasks.engines.hf_session` (transformers' forward).
@@ -30,6 +31,9 @@ from dora_tasks.contracts import RolloutEngine
 from dora_tasks.model import EOS_ID, PAD_ID, load_causal_lm
 from dora_tasks.records import Generation
 from pipelines.config import RolloutConfig
+
+
+GREEDY_CHUNK = 16  # tokens per decode call of greedy `generate` on the fast session: ended rows leave between calls
 
 
 class WeightsError(ValueError):
@@ -77,6 +81,12 @@ def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int,
     end = int(eos[0]) + 1 if len(eos) else len(tokens)
     return Generation(token_ids=tokens[:end].astype(np.int32), logprobs=logprobs[:end].astype(np.float32),
                       versions=np.full(end, version, dtype=np.int32), finished=bool(len(eos)))
+
+
+def _joined(parts: Sequence[Generation], version: int) -> Generation:
+    tokens = np.concatenate([g.token_ids for g in parts]) if parts else np.zeros(0, np.int32)
+    logprobs = np.concatenate([g.logprobs for g in parts]) if parts else np.zeros(0, np.float32)
+    return Generation(tokens, logprobs, np.full(len(tokens), version, np.int32), bool(parts and parts[-1].finished))
 
 
 def special_ids(config) -> tuple[tuple[int, ...], int]:
@@ -149,6 +159,10 @@ class HFRolloutEngine(RolloutEngine):
 
         Sampling is seeded by `seed` (and the batch offset) under a forked RNG, so the global RNG is untouched.
         """
+        if not self.generation_config.do_sample and self._fast_session_available():
+            budget = max_new_tokens if max_new_tokens is not None else self.cfg.max_new_tokens
+            flat = self._greedy_in_session([p for p in prompts for _ in range(n)], budget)
+            return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
         generation_config = self.generation_config
         if max_new_tokens is not None:
             generation_config = copy.deepcopy(generation_config)
@@ -158,6 +172,31 @@ class HFRolloutEngine(RolloutEngine):
         for start in range(0, len(rows), self.max_batch):
             flat.extend(self._generate_batch(rows[start:start + self.max_batch], seed + start, generation_config))
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _fast_session_available(self) -> bool:
+        from dora_tasks.engines import fast_session
+
+        return self.cfg.fast_decode and fast_session.supports(self.model)
+
+    def _greedy_in_session(self, rows: Sequence[Sequence[int]], budget: int) -> list[Generation]:
+        """Greedy decoding of every row through one `FastDecodeSession`, in chunks of `GREEDY_CHUNK` tokens, so a
+        row that ended leaves the batch instead of being decoded as padding until the longest one ends (the tokens
+        are `generate`'s: `tests/test_hf_session.py`)."""
+        grown: list[list[Generation]] = [[] for _ in rows]
+        if budget <= 0:
+            return [_joined(parts, self.version) for parts in grown]
+        session = self.open_session()
+        done: set[int] = set()
+        for key, ids in enumerate(rows):
+            session.add(key, ids)
+        while len(session):
+            used = {k: sum(len(g.token_ids) for g in grown[k]) for k in range(len(rows)) if k not in done}
+            for key, g in session.decode({k: min(GREEDY_CHUNK, budget - n) for k, n in used.items()}, 0).items():
+                grown[key].append(g)
+                if g.finished or used[key] + len(g.token_ids) >= budget:
+                    done.add(key)
+            session.drop([k for k in done if k in used])
+        return [_joined(parts, self.version) for parts in grown]
 
     def _generate_batch(self, rows: Sequence[Sequence[int]], seed: int,
                         generation_config: transformers.GenerationConfig) -> list[Generation]:
