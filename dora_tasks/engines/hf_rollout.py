@@ -138,9 +138,7 @@ class HFRolloutEngine(RolloutEngine):
         from dora_tasks.engines import fast_session
         from dora_tasks.engines.hf_session import DecodeSession
 
-        kind = fast_session.FastDecodeSession
-        if not (self.cfg.fast_decode and fast_session.supports(self.model)):
-            kind = DecodeSession
+        kind = fast_session.FastDecodeSession if self._fast_session_available() else DecodeSession
         return kind(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature, self.cfg.top_p,
                     do_sample=self.generation_config.do_sample)
 
@@ -159,18 +157,17 @@ class HFRolloutEngine(RolloutEngine):
 
         Sampling is seeded by `seed` (and the batch offset) under a forked RNG, so the global RNG is untouched.
         """
-        if not self.generation_config.do_sample and self._fast_session_available():
-            budget = max_new_tokens if max_new_tokens is not None else self.cfg.max_new_tokens
-            flat = self._greedy_in_session([p for p in prompts for _ in range(n)], budget)
-            return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
-        generation_config = self.generation_config
-        if max_new_tokens is not None:
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.max_new_tokens = max_new_tokens
         rows = [p for p in prompts for _ in range(n)]
-        flat: list[Generation] = []
-        for start in range(0, len(rows), self.max_batch):
-            flat.extend(self._generate_batch(rows[start:start + self.max_batch], seed + start, generation_config))
+        budget = max_new_tokens if max_new_tokens is not None else self.cfg.max_new_tokens
+        if not self.generation_config.do_sample and self._fast_session_available():
+            flat = self._greedy_in_session(rows, budget)
+        else:
+            generation_config = self.generation_config
+            if budget != generation_config.max_new_tokens:
+                generation_config = copy.deepcopy(generation_config)
+                generation_config.max_new_tokens = budget
+            flat = [g for start in range(0, len(rows), self.max_batch)
+                    for g in self._generate_batch(rows[start:start + self.max_batch], seed + start, generation_config)]
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _fast_session_available(self) -> bool:
@@ -183,19 +180,18 @@ class HFRolloutEngine(RolloutEngine):
         row that ended leaves the batch instead of being decoded as padding until the longest one ends (the tokens
         are `generate`'s: `tests/test_hf_session.py`)."""
         grown: list[list[Generation]] = [[] for _ in rows]
-        if budget <= 0:
-            return [_joined(parts, self.version) for parts in grown]
+        produced = [0] * len(rows)
+        live = set(range(len(rows))) if budget > 0 else set()
         session = self.open_session()
-        done: set[int] = set()
-        for key, ids in enumerate(rows):
-            session.add(key, ids)
-        while len(session):
-            used = {k: sum(len(g.token_ids) for g in grown[k]) for k in range(len(rows)) if k not in done}
-            for key, g in session.decode({k: min(GREEDY_CHUNK, budget - n) for k, n in used.items()}, 0).items():
+        for key in live:
+            session.add(key, rows[key])
+        while live:
+            for key, g in session.decode({k: min(GREEDY_CHUNK, budget - produced[k]) for k in live}, 0).items():
                 grown[key].append(g)
-                if g.finished or used[key] + len(g.token_ids) >= budget:
-                    done.add(key)
-            session.drop([k for k in done if k in used])
+                produced[key] += len(g.token_ids)
+                if g.finished or produced[key] >= budget:
+                    live.discard(key)
+            session.drop([k for k in session.keys if k not in live])
         return [_joined(parts, self.version) for parts in grown]
 
     def _generate_batch(self, rows: Sequence[Sequence[int]], seed: int,
