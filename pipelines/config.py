@@ -120,7 +120,11 @@ class TrainConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
     kl_coef: float = 0.0  # KL to the initial policy; 0 disables the reference model
-    micro_batch: int = 32  # trajectories per forward/backward
+    micro_batch: int = 32  # at most this many trajectories per forward/backward
+    micro_batch_call_tokens: int = 256  # what one more forward/backward costs, in padded tokens: rows sorted by length
+    #   are cut into micro-batches where padding would cost more (200-400 was best for the 64- and 128-wide CPU
+    #   policies on a long-tailed batch, docs/benchmark.md; measure it on a GPU, where a call is cheap against
+    #   padded tokens of a large model); 0 cuts wherever it saves any padding
     max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
     loss_norm_len: int = 0  # divisor of seq_mean_token_sum_norm; 0 = longest response of the batch
@@ -141,6 +145,8 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(self.clip_low > 0 and self.clip_high > 0, "train.clip_low/clip_high", "must be > 0")
         _require(self.micro_batch >= 1, "train.micro_batch", f"must be >= 1, got {self.micro_batch}")
+        _require(self.micro_batch_call_tokens >= 0, "train.micro_batch_call_tokens",
+                 f"must be >= 0, got {self.micro_batch_call_tokens}")
         _require(self.kl_coef >= 0, "train.kl_coef", f"must be >= 0, got {self.kl_coef}")
 
 

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from dora_tasks.algorithms import (LossNorm, UnknownAlgorithmError, advantage_names, get_advantage, get_loss,
                                    group_is_degenerate, loss_names, overlong_shaping, register_advantage)
 from dora_tasks.algorithms import registry
-from dora_tasks.algorithms.objective import batch_tensors, micro_batches
+import itertools
+
+from dora_tasks.algorithms.objective import batch_tensors, micro_batches, plan_micro_batches
 from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
 from pipelines.config import ConfigError, TrainConfig
 
@@ -339,3 +341,43 @@ def test_micro_batches_trim_padding():
     batch = _batch([(0, [_traj(0, 0, [1], [2, 3, 4, 5], 1.0), _traj(0, 1, [1], [2], 0.0)], "")])
     chunks = micro_batches(batch_tensors(batch), 1)
     assert [c["input_ids"].shape for c in chunks] == [(1, 5), (1, 2)]
+    chunks = micro_batches(batch_tensors(batch), 2, call_tokens=1)  # padding 3 tokens costs more than a call
+    assert [c["input_ids"].shape for c in chunks] == [(1, 5), (1, 2)]
+    chunks = micro_batches(batch_tensors(batch), 2, call_tokens=5)
+    assert [c["input_ids"].shape for c in chunks] == [(2, 5)]
+
+
+def _plan_cost(lengths, runs, call_tokens):
+    return sum(int(max(lengths[i] for i in run)) * len(run) + call_tokens for run in runs)
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=8), st.integers(1, 4), st.integers(0, 100))
+def test_plan_micro_batches_is_the_cheapest_cut_of_the_sorted_rows(lengths, max_rows, call_tokens):
+    runs = plan_micro_batches(lengths, max_rows, call_tokens)
+    flat = np.concatenate(runs)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))  # every row once
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)  # longest first, runs consecutive
+    assert all(1 <= len(run) <= max_rows for run in runs)
+    ordered = sorted(lengths, reverse=True)
+    best = min(  # brute force over every set of cut points of the sorted rows
+        sum(ordered[a] * (b - a) + call_tokens for a, b in zip((0, *cuts), (*cuts, len(ordered))))
+        for k in range(len(ordered)) for cuts in itertools.combinations(range(1, len(ordered)), k)
+        if all(b - a <= max_rows for a, b in zip((0, *cuts), (*cuts, len(ordered)))))
+    assert _plan_cost(lengths, runs, call_tokens) == best
+    first_slice = ordered[0] * min(max_rows, len(ordered))
+    assert all(max(lengths[i] for i in run) * len(run) <= first_slice for run in runs)
+
+
+def test_plan_micro_batches_separates_a_long_tail_only_when_padding_costs_more_than_a_call():
+    lengths = [100, 10, 10, 10, 10, 10]
+    assert [len(r) for r in plan_micro_batches(lengths, 32, 50)] == [1, 5]  # 100 + 50 + 50 + 50 < 600 + 50
+    assert [len(r) for r in plan_micro_batches(lengths, 32, 1000)] == [6]
+    assert _plan_cost(lengths, plan_micro_batches(lengths, 2, 0), 0) == 100 + 5 * 10
+    with pytest.raises(ValueError, match="max_rows"):
+        plan_micro_batches(lengths, 0, 10)
+
+
+def test_micro_batch_call_tokens_must_not_be_negative():
+    with pytest.raises(ConfigError, match="train.micro_batch_call_tokens"):
+        TrainConfig(micro_batch_call_tokens=-1).validate()

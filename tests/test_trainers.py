@@ -111,9 +111,9 @@ def test_sequence_logprobs_align_with_prefix_loop_and_ignore_padding(tiny_model)
 def test_micro_batching_accumulates_the_full_batch_gradient(tiny_model, batch, agg):
     tensors = batch_tensors(batch)
     grads = []
-    for micro in (100, 5, 1):
+    for micro, call_tokens in ((100, 256), (5, 256), (5, 0), (1, 256)):
         model = load_policy(tiny_model)
-        cfg = TrainConfig(micro_batch=micro, loss_agg=agg)
+        cfg = TrainConfig(micro_batch=micro, micro_batch_call_tokens=call_tokens, loss_agg=agg)
         loss, _ = policy_objective(model, tensors, cfg, backward=lambda loss, last: loss.backward())
         grads.append((float(loss), [p.grad.clone() for p in model.parameters()]))
     for loss, grad in grads[1:]:

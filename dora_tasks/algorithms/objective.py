@@ -3,7 +3,9 @@
 Simplifications, and why:
 - Sequences are prompt + response, right-padded into one [B,L] batch (no packing): simple and exact; each micro-batch
   is trimmed to its own longest row so a long-tailed batch does not pay the longest row's padding everywhere.
-- Micro-batches are consecutive trajectories (no length sorting), so a group's trajectories train together.
+- Micro-batches are runs of the batch's trajectories sorted by length (longest first), cut where padding would cost
+  more than one more forward/backward (`plan_micro_batches`): a long-tailed batch does not pad its short rows to its
+  long ones. The loss is normalised by the whole batch, so how rows are grouped does not change it.
 - Groups with `Group.filtered` set (e.g. DAPO's zero-variance filter) are left out of the tensors entirely; the caller
   recorded why.
 - Log-probs are taken at `temperature` (the rollout's sampling temperature; the rollout engines report log-probs of
@@ -91,15 +93,41 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
     return logp, torch.cat([zero, entropy], dim=1)
 
 
-def micro_batches(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
-    """Slices of `size` trajectories after sorting them by length, each trimmed to its longest row (rows are
-    right-padded). Sorting puts similar lengths together (less padding on a long-tailed batch); the loss sums over
-    micro-batches with whole-batch normalisers, so the order of rows does not change it."""
-    rows = tensors["input_ids"].shape[0]
-    order = torch.argsort(tensors["attention_mask"].sum(-1), descending=True, stable=True)
+def plan_micro_batches(lengths, max_rows: int, call_tokens: int) -> list[np.ndarray]:
+    """Row indices of each micro-batch: the rows sorted by length (longest first, ties in row order), cut into
+    consecutive runs of at most `max_rows` that minimise the padded tokens of the runs (rows x longest row) plus
+    `call_tokens` per run, the fixed cost of one forward/backward counted in padded tokens. Exact, by dynamic
+    programming over the cut points (O(rows x max_rows)). No run pads more tokens than the first of the plain
+    `max_rows` slices would, so peak memory is never above theirs."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    ordered = lengths[order]
+    rows = len(ordered)
+    best = np.full(rows + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(rows + 1, dtype=np.int64)
+    for end in range(1, rows + 1):
+        starts = np.arange(max(0, end - max_rows), end)
+        costs = best[starts] + ordered[starts] * (end - starts) + call_tokens
+        pick = int(np.argmin(costs))
+        best[end], cut[end] = costs[pick], starts[pick]
+    runs, end = [], rows
+    while end > 0:
+        runs.append(order[cut[end]:end])
+        end = int(cut[end])
+    return runs[::-1]
+
+
+def micro_batches(tensors: dict[str, Tensor], size: int, call_tokens: int = 0) -> list[dict[str, Tensor]]:
+    """The batch cut by `plan_micro_batches` (at most `size` trajectories each), each trimmed to its longest row
+    (rows are right-padded). The loss sums over micro-batches with whole-batch normalisers, so the grouping and
+    order of rows do not change it."""
+    lengths = tensors["attention_mask"].sum(-1).numpy()
     chunks = []
-    for start in range(0, rows, size):
-        index = order[start:start + size]
+    for run in plan_micro_batches(lengths, size, call_tokens):
+        index = torch.from_numpy(run)
         chunk = {k: v.index_select(0, index) for k, v in tensors.items()}
         width = int(chunk["attention_mask"].sum(-1).max())
         chunks.append({k: (v[:, :width] if v.dim() == 2 else v) for k, v in chunk.items()})
@@ -109,7 +137,8 @@ def micro_batches(tensors: dict[str, Tensor], size: int) -> list[dict[str, Tenso
 def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, backward: Backward | None = None,
                      device: torch.device | str | None = None,
                      temperature: float = 1.0) -> tuple[Tensor, dict[str, float]]:
-    """Loss of the whole batch, computed over micro-batches of `cfg.micro_batch` trajectories.
+    """Loss of the whole batch, computed over micro-batches of at most `cfg.micro_batch` trajectories (planned by
+    `plan_micro_batches` with `cfg.micro_batch_call_tokens`).
 
     Each micro-batch loss is normalised by the whole batch (`LossNorm`), so they sum to the full-batch loss. With
     `backward`, each micro-batch loss is back-propagated as soon as it is computed (gradient accumulation; only one
@@ -120,7 +149,7 @@ def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, bac
     loss_fn = get_loss(cfg.loss)
     norm = LossNorm.of(tensors["response_mask"], cfg)
     device = device if device is not None else next(model.parameters()).device
-    chunks = micro_batches(tensors, cfg.micro_batch)
+    chunks = micro_batches(tensors, cfg.micro_batch, cfg.micro_batch_call_tokens)
     total: Tensor = torch.zeros((), device=device)
     collected: list[tuple[float, dict[str, float]]] = []
     for i, chunk in enumerate(chunks):
