@@ -1,6 +1,7 @@
 """Advantage estimators and policy losses against slow loop references, the registry, and batch_tensors."""
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -15,8 +16,6 @@ from hypothesis import strategies as st
 from dora_tasks.algorithms import (LossNorm, UnknownAlgorithmError, advantage_names, get_advantage, get_loss,
                                    group_is_degenerate, loss_names, overlong_shaping, register_advantage)
 from dora_tasks.algorithms import registry
-import itertools
-
 from dora_tasks.algorithms.objective import batch_tensors, micro_batches, plan_micro_batches
 from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
 from pipelines.config import ConfigError, TrainConfig

@@ -129,7 +129,7 @@ def micro_batches(tensors: dict[str, Tensor], size: int, call_tokens: int = 0) -
     for run in plan_micro_batches(lengths, size, call_tokens):
         index = torch.from_numpy(run)
         chunk = {k: v.index_select(0, index) for k, v in tensors.items()}
-        width = int(chunk["attention_mask"].sum(-1).max())
+        width = int(lengths[run].max())
         chunks.append({k: (v[:, :width] if v.dim() == 2 else v) for k, v in chunk.items()})
     return chunks
 
