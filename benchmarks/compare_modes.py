@@ -7,7 +7,8 @@ start-up) and the same number of trained trajectories (`num_updates * TBS * G`, 
 mode, through `pipelines.streaming.run_pipeline`:
 
     sync K=0 | one-step off-policy K=1 | partial rollout K=1 | DORA K=2 | DORA K=3 |
-    sync K=0 and DORA K=3 on the colocated shape (COLOCATED; --no-colocated leaves them out) | [TRL GRPO, --with-trl]
+    sync K=0 and DORA K=3 on the colocated shape (COLOCATED; --no-colocated leaves them out, --colocated-only keeps
+    only them) | [TRL GRPO, --with-trl]
 
 and prints ONE table (written to `<out>/compare_modes.md` and `.json`): throughput, step time, rollout bubble,
 trainer bubble, non-overlapped rollout share (definitions and code:
@@ -69,7 +70,7 @@ COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat
     ("rollout bubble", "rollout_bubble", "{:.0%}"), ("trainer bubble", "trainer_bubble", "{:.0%}"),
     ("non-overlapped rollout", "non_overlapped_rollout_share", "{:.0%}"), ("max staleness", "max_staleness", "{}"),
     ("C1 violations", "c1_text", "{}"), ("held-out acc (v0 -> final)", "accuracy_text", "{}"),
-    ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s", "time_to_target_s", "{:.1f}"),
+    ("wall s (all updates)", "wall_s", "{:.1f}"), ("time to target s: median (runs)", "time_to_target_text", "{}"),
     ("speed-up vs K=0 (same shape)", "speedup_text", "{}"), ("vs fastest K=0", "speedup_best_text", "{}"),
     ("trajectories/s vs K=0 (same shape)", "speedup_steps_text", "{}"),
 ]
@@ -456,11 +457,19 @@ def aggregate(runs: list[dict]) -> list[dict]:
             "c1_text": " / ".join(str(r["c1_violations"]) for r in mine),
             "accuracy_text": f"{row['initial_accuracy']:.3f} -> {row['final_accuracy']:.3f}",
             "time_to_target_s": None if math.isinf(median_ttt) else median_ttt,
+            "time_to_target_text": time_to_target_text(median_ttt, [r["time_to_target_s"] for r in mine]),
         })
         for key in ("speedup", "speedup_best", "speedup_steps"):
             row[f"{key}_text"] = f"{row[key]:.2f}x ({' / '.join(f'{r[key]:.2f}' for r in mine)})"
         rows.append(row)
     return rows
+
+
+def time_to_target_text(median: float, per_run: list[float | None]) -> str:
+    """"7.9 (14.3 / - / 4.5)": the median over runs (a run that never reached the target counts as infinite),
+    then each run's time, "-" where it never reached the target."""
+    runs = " / ".join("-" if t is None else f"{t:.1f}" for t in per_run)
+    return f"{'not reached' if math.isinf(median) else f'{median:.1f}'} ({runs})"
 
 
 def _isnan(x) -> bool:
@@ -532,14 +541,20 @@ def main(argv=None) -> int:
     parser.add_argument("--with-trl", action="store_true", help="also train TRL's GRPOTrainer (benchmarks/trl_peer.py)")
     parser.add_argument("--trl-threads", type=lambda text: [int(x) for x in text.split(",")], default=[1],
                         help="torch threads of TRL's process, one TRL run per value, e.g. 1,2 (default 1)")
+    parser.add_argument("--trl-seed", type=int, default=None,
+                        help="TRL's sampling seed in the first repeat, +1 each repeat (default dora.seed); TRL is "
+                             "deterministic given it, so repeats need their own seeds to show its spread")
     parser.add_argument("--target", type=float, default=None,
                         help="held-out accuracy to time (default: the lowest final accuracy of the sync K=0 runs)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="evaluate every N-th version after the runs, off the clock (default 2)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (order reversed every other round)")
     parser.add_argument("--modes", default="", help="comma-separated subset of mode names' first words, e.g. sync,DORA")
-    parser.add_argument("--no-colocated", action="store_true",
+    shapes = parser.add_mutually_exclusive_group()
+    shapes.add_argument("--no-colocated", action="store_true",
                         help="leave out the modes on the colocated cluster shape (COLOCATED)")
+    shapes.add_argument("--colocated-only", action="store_true",
+                        help="only the modes on the colocated cluster shape (COLOCATED)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every mode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -563,7 +578,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     modes = [(name, o, shape) for name, o, shape in MODES
              if (not args.modes or name.split()[0].lower() in args.modes.lower().split(","))
-             and (shape != COLOCATED or not args.no_colocated)]
+             and (shape != COLOCATED or not args.no_colocated) and (shape == COLOCATED or not args.colocated_only)]
     say(f"model {model_path}; {len(modes)} modes x {n} updates x TBS {cfg.dora.train_batch_size} x G "
         f"{cfg.rollout.group_size}; RBS {cfg.dora.rollout_batch_size}; load average {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs")
@@ -587,16 +602,19 @@ def main(argv=None) -> int:
     if args.with_trl:
         from benchmarks.trl_peer import run_trl
 
+        trl_seed = cfg.dora.seed if args.trl_seed is None else args.trl_seed
         for repeat in range(args.repeats):
             for threads in args.trl_threads:
                 say(f"TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts, {threads} torch "
-                    f"thread(s) (repeat {repeat})")
+                    f"thread(s) (repeat {repeat}, sampling seed {trl_seed + repeat})")
                 trl_dir = os.path.abspath(os.path.join(args.out, "runs", f"trl_t{threads}_r{repeat}"))
                 shutil.rmtree(trl_dir, ignore_errors=True)
                 load_before = os.getloadavg()[0]
                 trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say, threads=threads,
-                              eval_every=args.eval_every if args.eval_every is not None else 2)
-                trl.update(repeat=repeat, trained_prompts=n * cfg.dora.train_batch_size,
+                              eval_every=args.eval_every if args.eval_every is not None else 2,
+                              sampling_seed=trl_seed + repeat)
+                trl.update(repeat=repeat, sampling_seed=trl_seed + repeat,
+                           trained_prompts=n * cfg.dora.train_batch_size,
                            trained_trajectories=n * cfg.dora.train_batch_size * cfg.rollout.group_size,
                            load_average=[load_before, os.getloadavg()[0]])
                 runs.append(trl)

@@ -111,9 +111,11 @@ class _Clock:
 
 
 def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str, target: float | None = None,
-            log=print, threads: int | None = None) -> dict:
+            log=print, threads: int | None = None, sampling_seed: int | None = None) -> dict:
     """Train with TRL GRPO; returns the comparison row (see compare_modes.ROW_KEYS) plus the accuracy curve.
-    `threads`: torch threads of the process (default `OMP_NUM_THREADS`, 1); 2 gives TRL both cores of the machine."""
+    `threads`: torch threads of the process (default `OMP_NUM_THREADS`, 1); 2 gives TRL both cores of the machine.
+    `sampling_seed`: TRL's seed (its sampling; default `dora.seed`). TRL's run is deterministic given it, so repeats
+    with one seed are copies of one run; the prompts, their order and the evaluation keep `dora.seed` whatever it is."""
     import torch
     import transformers
     from datasets import Dataset
@@ -142,7 +144,8 @@ def run_trl(model_path: str, cfg, *, updates: int, eval_every: int, out_dir: str
     micro = max(d for d in range(1, min(rows, cfg.train.micro_batch) + 1) if rows % d == 0 and d % g == 0) \
         if any(rows % d == 0 and d % g == 0 for d in range(1, min(rows, cfg.train.micro_batch) + 1)) else rows
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=cfg.dora.seed,
+        output_dir=out_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        seed=cfg.dora.seed if sampling_seed is None else sampling_seed,
         learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else 1e9,
         per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro, num_generations=g,

@@ -76,3 +76,25 @@ def test_speed_ups_are_given_in_tokens_and_in_trajectories_so_longer_responses_c
     row = tools.aggregate(runs)[1]
     assert row["speedup_steps_text"] == "2.00x (2.00)"
     assert "| 37.5 |" in tools.table([row])
+
+
+def test_time_to_target_is_the_median_over_runs_with_a_run_that_never_reached_it_counted_as_never():
+    tools = load("compare_modes")
+
+    def run(mode, repeat, curve):
+        return {"mode": mode, "repeat": repeat, "shape": "s", "throughput_tokens_per_s": 1.0, "step_time_s": 1.0,
+                "trained_trajectories": 1, "consumed_tokens": 1, "max_staleness": 0, "c1_violations": 0,
+                "accuracy": {}, "accuracy_curve": [{"update": u, "wall_s": t, "accuracy": a} for u, t, a in curve]}
+
+    runs = [run("TRL", 0, [(0, 0.0, 0.2), (40, 8.8, 0.36), (50, 9.5, 0.30)]),  # reached, then fell back: 8.8 s
+            run("TRL", 1, [(0, 0.0, 0.2), (120, 30.0, 0.34)]),                   # never reached
+            run("TRL", 2, [(0, 0.0, 0.2), (50, 8.0, 0.3515625)]),                # exactly 90/256
+            run("DORA", 0, [(0, 0.0, 0.2), (40, 4.5, 0.36)]),
+            run("DORA", 1, [(0, 0.0, 0.2), (100, 14.3, 0.36)])]
+    tools.finish_runs(runs, target=0.3515, n=120)
+    trl, dora = tools.aggregate(runs)
+    assert trl["time_to_target_text"] == "8.8 (8.8 / - / 8.0)" and trl["time_to_target_s"] == 8.8
+    assert dora["time_to_target_text"] == "9.4 (4.5 / 14.3)"
+    runs[2]["time_to_target_s"] = None  # two of three never: the median is "never"
+    assert tools.aggregate(runs)[0]["time_to_target_text"] == "not reached (8.8 / - / -)"
+    assert "| 9.4 (4.5 / 14.3) |" in tools.table([dora])
