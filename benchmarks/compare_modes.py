@@ -604,16 +604,17 @@ def main(argv=None) -> int:
 
         trl_seed = cfg.dora.seed if args.trl_seed is None else args.trl_seed
         for repeat in range(args.repeats):
+            seed = trl_seed + repeat
             for threads in args.trl_threads:
                 say(f"TRL GRPOTrainer on the same model, prompts, G, lr and number of trained prompts, {threads} torch "
-                    f"thread(s) (repeat {repeat}, sampling seed {trl_seed + repeat})")
+                    f"thread(s) (repeat {repeat}, sampling seed {seed})")
                 trl_dir = os.path.abspath(os.path.join(args.out, "runs", f"trl_t{threads}_r{repeat}"))
                 shutil.rmtree(trl_dir, ignore_errors=True)
                 load_before = os.getloadavg()[0]
                 trl = run_trl(model_path, cfg, updates=n, out_dir=trl_dir, target=target, log=say, threads=threads,
                               eval_every=args.eval_every if args.eval_every is not None else 2,
-                              sampling_seed=trl_seed + repeat)
-                trl.update(repeat=repeat, sampling_seed=trl_seed + repeat,
+                              sampling_seed=seed)
+                trl.update(repeat=repeat, sampling_seed=seed,
                            trained_prompts=n * cfg.dora.train_batch_size,
                            trained_trajectories=n * cfg.dora.train_batch_size * cfg.rollout.group_size,
                            load_average=[load_before, os.getloadavg()[0]])

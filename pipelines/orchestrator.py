@@ -26,8 +26,8 @@ restarted work of that version waiting, is retargeted to the newest version at o
 start the moment its older groups end, without a round trip to the driver (the rollout server still swaps weights
 only once the older groups have ended: C1 holds). An instance then holds groups of at most two versions. Measured
 on the 2-core machine (docs/benchmark.md): the rollout bubble falls from 14-20% to 7-10%, but throughput falls by
-about 5% (groups end more spread out, so more scoring tasks, on a pipeline that is CPU-bound there); with engines on
-their own devices the orchestration does not compete with generation.
+about 5% (it ran 15% more scoring tasks, on a pipeline that is CPU-bound there); with engines on their own devices
+the orchestration does not compete with generation.
 
 Simplified from the paper: requests are not migrated between instances of the same version (a group is one Dask
 task; moving it would restart it). Without queued switching an instance draining an old version therefore idles its
