@@ -379,7 +379,8 @@ def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
                 continue
             futures[(row["mode"], row["repeat"], v)] = client.submit(
                 steps.evaluate, path, eval_prompts, cfg.model.path, cfg.task.reward_fn, cfg.rollout.max_new_tokens,
-                cfg.dora.seed, key=("bench-evaluate", row["mode"], row["repeat"], v), resources=CPU, pure=False)
+                cfg.dora.seed, cfg.task.reward_timeout_s, cfg.task.reward_isolation, cfg.task.reward_memory_bytes,
+                key=("bench-evaluate", row["mode"], row["repeat"], v), resources=CPU, pure=False)
     results = {}
     for k, future in futures.items():
         try:

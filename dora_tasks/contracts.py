@@ -43,3 +43,16 @@ class TrainEngine(ABC):
     @abstractmethod
     def save_weights(self, path: str) -> None:
         """Write the current policy weights as a Hugging Face model folder (config.json + model.safetensors)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: str) -> None:
+        """Write the whole trainer state (weights, optimizer, version) into `directory`."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what `save_checkpoint` wrote, version included."""
+
+    @abstractmethod
+    def load_optimizer_state(self, directory: str) -> bool:
+        """Take only the optimizer state of a checkpoint, keeping this engine's weights and version (a trainer that
+        restarts from a version published after the checkpoint). False when the backend cannot split them."""

@@ -63,11 +63,15 @@ class RolloutPlugin(WorkerPlugin):
             self.server.close()
 
 
+class TrainerLost(RuntimeError):
+    """This trainer worker holds no engine: it was restarted after its process died. The driver restores it
+    (`restore_trainer`) and hands the updates over again; no task of a restarted trainer builds an engine on its own."""
+
+
 @dataclass
 class TrainerPlugin(WorkerPlugin):
-    """The train engine. Created from the published weights of the version the first update asks for, so a trainer
-    worker that died and was restarted by its Nanny continues from the last published version (its optimizer state
-    comes back only from a checkpoint)."""
+    """The train engine, created once by `warm_up_trainer` or `restore_trainer`. A trainer worker that died and was
+    restarted by its Nanny has none until the driver restores it."""
 
     weight_store: str
     train: TrainConfig
@@ -80,25 +84,32 @@ class TrainerPlugin(WorkerPlugin):
             _set_worker_env()
 
     def engine_at(self, version: int):
-        """The engine if it holds `version`; None if it has not reached it yet (an earlier update has still to run,
-        or, on a new trainer, `version` is not published yet). A trainer past `version` is an error."""
-        from storage.weight_store import WeightStore
-
-        if self.engine is None and version not in WeightStore(self.weight_store).versions():
-            return None
-        engine = self.get_engine(version)
+        """The engine if it holds `version`; None if it has not reached it yet (an earlier update has still to run).
+        `TrainerLost` without an engine; a trainer past `version` is an error."""
+        engine = self.held_engine()
         if engine.version > version:
             raise RuntimeError(f"trainer holds version {engine.version}, update {version} needs version {version}")
         return engine if engine.version == version else None
 
-    def get_engine(self, version: int):
+    def held_engine(self):
         if self.engine is None:
-            from dora_tasks.engines.factory import make_train_engine
-            from storage.weight_store import WeightStore
-
-            path = WeightStore(self.weight_store).path_for(version)
-            self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature)
+            raise TrainerLost(f"trainer {get_worker().address} holds no engine (its worker was restarted)")
         return self.engine
+
+    def start_engine(self, version: int):
+        """A new engine on the published weights of `version` (any engine held before is closed)."""
+        from dora_tasks.engines.factory import make_train_engine
+        from storage.weight_store import WeightStore
+
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        path = WeightStore(self.weight_store).path_for(version)
+        self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature)
+        return self.engine
+
+    def get_engine(self, version: int):
+        return self.engine if self.engine is not None else self.start_engine(version)
 
 
 def rollout_server():

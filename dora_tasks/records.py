@@ -134,3 +134,12 @@ class PublishedWeights:
     version: int
     path: str
     seconds: float
+
+
+@dataclass
+class TrainerRestore:
+    """A trainer worker restarted after it died, as `restore_trainer` left it."""
+
+    worker: str
+    version: int  # the published version its weights come from
+    optimizer_from: str = ""  # the checkpoint folder its optimizer state comes from; "" = a fresh optimizer

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from distributed import get_worker
 
-from dora_tasks.records import Group, Prompt, PublishedWeights, TrainBatch, Trajectory, UpdateResult
+from dora_tasks.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
+                               UpdateResult)
 
 
 # ---- rollout (rollout instance, label ROLLOUT) -------------------------------------------------------------------
@@ -50,15 +51,17 @@ def _reward_fn(dotted: str):
     return resolve_reward_fn(dotted)
 
 
-def reward(groups: list[Group], model_path: str, reward_fn: str, timeout_s: float) -> list[Group]:
-    """Score every response of `groups` (the groups one instance finished generating in one turn of the driver);
-    an exception or a timeout is recorded on the trajectory, never raised."""
-    from dora_tasks.workloads.rewards import score_all
+def reward(groups: list[Group], model_path: str, reward_fn: str, timeout_s: float, isolation: str,
+           memory_bytes: int) -> list[Group]:
+    """Score every response of `groups` (the groups one instance finished generating in one turn of the driver) in
+    the given isolation (`task.reward_isolation`); an exception, a timeout or a killed reward process is recorded on
+    the trajectory, never raised."""
+    from dora_tasks.workloads.rewards import score_isolated
 
     tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
     trajectories = [(g, t) for g in groups for t in g.trajectories]
     calls = [(g.prompt.text, tokenizer.decode(t.response_ids), g.prompt.answer) for g, t in trajectories]
-    for (_, t), (value, error) in zip(trajectories, score_all(fn, calls, timeout_s)):
+    for (_, t), (value, error) in zip(trajectories, score_isolated(fn, calls, timeout_s, isolation, memory_bytes)):
         t.reward, t.reward_error = value, error
     return list(groups)
 
@@ -120,7 +123,7 @@ def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
 
     from dora_tasks.plugins import trainer_plugin
 
-    engine = trainer_plugin().engine_at(batch.update)
+    engine = trainer_plugin().engine_at(batch.update)  # TrainerLost on a restarted trainer
     if engine is None:
         raise Reschedule()
     start = time.time()
@@ -144,8 +147,7 @@ def publish(engine, weight_store: str) -> PublishedWeights:
 def save_trainer_checkpoint(folder: str) -> str:
     from dora_tasks.plugins import trainer_plugin
 
-    engine = trainer_plugin().engine
-    engine.save_checkpoint(folder)
+    trainer_plugin().held_engine().save_checkpoint(folder)
     return folder
 
 
@@ -155,6 +157,16 @@ def load_trainer_checkpoint(folder: str, version: int) -> int:
     engine = trainer_plugin().get_engine(version)
     engine.load_checkpoint(folder)
     return engine.version
+
+
+def restore_trainer(version: int, checkpoint_folder: str | None) -> TrainerRestore:
+    """A restarted trainer: a new engine on the published weights of `version`, with the optimizer state of the
+    checkpoint in `checkpoint_folder` when there is one and the backend can take it alone (else a fresh one)."""
+    from dora_tasks.plugins import trainer_plugin
+
+    engine = trainer_plugin().start_engine(version)
+    taken = bool(checkpoint_folder) and engine.load_optimizer_state(checkpoint_folder)
+    return TrainerRestore(get_worker().address, engine.version, optimizer_from=checkpoint_folder if taken else "")
 
 
 # ---- warm-up: engines are created before the clock starts -----------------------------------------------------
@@ -186,9 +198,11 @@ def warm_up_trainer(version: int) -> int:
 
 # ---- held-out evaluation (CPU worker) ----------------------------------------------------------------------------
 def evaluate(weights_path: str, prompts: list[Prompt], model_path: str, reward_fn: str, max_new_tokens: int,
-             seed: int) -> float:
-    """Greedy held-out accuracy of a published version (the tokenizer comes from the initial model folder)."""
+             seed: int, timeout_s: float, isolation: str, memory_bytes: int) -> float:
+    """Greedy held-out accuracy of a published version (the tokenizer comes from the initial model folder), its
+    rewards under the same timeout and isolation as the run's."""
     from dora_tasks.warmstart import evaluate as evaluate_policy
 
     return evaluate_policy(weights_path, prompts, _reward_fn(reward_fn), greedy=True, seed=seed,
-                           max_new_tokens=max_new_tokens, tokenizer=_tokenizer(model_path))
+                           max_new_tokens=max_new_tokens, tokenizer=_tokenizer(model_path),
+                           reward_timeout_s=timeout_s, reward_isolation=isolation, reward_memory_bytes=memory_bytes)

@@ -32,13 +32,13 @@ from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_po
 from dora_tasks.records import Prompt
 from dora_tasks.workloads import countdown
 from dora_tasks.workloads.datasets import load_prompts
-from dora_tasks.workloads.rewards import score_all
-from pipelines.config import Config, RolloutConfig
+from dora_tasks.workloads.rewards import score_parallel
+from pipelines.config import Config, RolloutConfig, TaskConfig
 
 SETTINGS_FILE = "warmstart.json"
 CHUNK_TOKENS = 2048  # padded tokens per forward pass inside a step
 WARMUP_FRACTION = 0.05
-EVAL_REWARD_TIMEOUT_S = 10.0
+EVAL_REWARD_LANES = 4  # held-out rewards are scored by up to this many parallel lanes (at most one per core)
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -171,29 +171,33 @@ def pad_right(chunk: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, tor
 
 def evaluate(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = None, *, greedy: bool = False,
              seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
-             tokenizer: CharTokenizer | None = None) -> float:
+             tokenizer: CharTokenizer | None = None, **reward_limits) -> float:
     """Held-out accuracy: the share of prompts whose one response gets reward 1 (arguments as `rewards_of`)."""
     rewards = rewards_of(policy, prompts, reward_fn, greedy=greedy, seed=seed, max_new_tokens=max_new_tokens,
-                         temperature=temperature, tokenizer=tokenizer)
+                         temperature=temperature, tokenizer=tokenizer, **reward_limits)
     return float(np.mean(rewards == 1.0)) if len(rewards) else float("nan")
 
 
 def rewards_of(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = None, *, greedy: bool = False,
                seed: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
-               tokenizer: CharTokenizer | None = None) -> np.ndarray:
+               tokenizer: CharTokenizer | None = None, reward_timeout_s: float = TaskConfig.reward_timeout_s,
+               reward_isolation: str = TaskConfig.reward_isolation,
+               reward_memory_bytes: int = TaskConfig.reward_memory_bytes) -> np.ndarray:
     """The reward of one response per prompt, float32 [len(prompts)].
 
     `policy` is a model folder, an in-memory model, or a `RolloutEngine` (used as it is configured); responses are
     sampled at `temperature` or greedy. `reward_fn` defaults to the countdown reward and is run through
-    `rewards.score_all` (a failed or timed-out reward is nan, which counts as wrong); `tokenizer` defaults to the
-    folder's, else the built-in character tokenizer.
+    `rewards.score_parallel` with the `task.reward_*` limits (a failed, timed-out or unscored reward is nan, which
+    counts as wrong); `tokenizer` defaults to the folder's, else the built-in character tokenizer.
     """
     engine = evaluation_engine(policy, greedy, max_new_tokens, temperature)
     tokenizer = tokenizer or (load_tokenizer(policy) if isinstance(policy, str) else CharTokenizer())
     reward_fn = reward_fn or countdown.reward
     generations = engine.generate([p.token_ids for p in prompts], 1, seed)
     calls = [(p.text, tokenizer.decode(g[0].token_ids), p.answer) for p, g in zip(prompts, generations)]
-    return np.array([value for value, _ in score_all(reward_fn, calls, EVAL_REWARD_TIMEOUT_S)], dtype=np.float32)
+    lanes = min(EVAL_REWARD_LANES, os.cpu_count() or 1)
+    scored = score_parallel(reward_fn, calls, reward_timeout_s, reward_isolation, reward_memory_bytes, lanes)
+    return np.array([value for value, _ in scored], dtype=np.float32)
 
 
 def evaluation_engine(policy, greedy: bool, max_new_tokens: int, temperature: float) -> RolloutEngine:

@@ -11,8 +11,10 @@ Bad input (unknown key, wrong type, out-of-range value, missing file, malformed 
 `dora: error: <message>` on stderr and exits with 2, without a traceback. Input errors are: `ConfigError`, the
 command line's own `UsageError`, any exception class defined in this project (pipelines, dora_tasks, storage)
 whose name ends in "Error" and which subclasses ValueError (e.g. `DatasetError`, `RunFolderError`), and the few
-listed in `EXTRA_INPUT_ERRORS` (`ClusterError`: the scheduler address is the user's). Everything else is a bug and
-keeps its traceback.
+listed in `EXTRA_INPUT_ERRORS` (`ClusterError`: the scheduler address is the user's). A run that stopped for a reason
+its message explains (`RUN_STOPPED_ERRORS`: a trainer that cannot be brought back, a reward function that always
+fails) prints one line too and exits with 1; its folder can be resumed. Everything else is a bug and keeps its
+traceback.
 
 Simplified: the heavy modules (pipeline, warm start, store, audit, matplotlib) are imported inside the command that
 needs them, so `dora --help` and `dora config` answer at once.
@@ -20,6 +22,7 @@ needs them, so `dora --help` and `dora config` answer at once.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -28,9 +31,12 @@ from typing import Sequence
 PROJECT_PACKAGES = ("pipelines", "dora_tasks", "storage")
 # Input errors that are not ValueErrors: an unreachable or unsuitable cluster.scheduler_address is the user's to fix.
 EXTRA_INPUT_ERRORS = ("pipelines.cluster.ClusterError",)
+# The run stopped for a reason its message explains (the folder can be resumed): one line, exit 1.
+RUN_STOPPED_ERRORS = ("pipelines.driver.TrainerError", "pipelines.driver.RewardFailureError")
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml")
 STORE_NAME = "trajectories.zarr"
 EXIT_USAGE = 2
+EXIT_STOPPED = 1
 EXIT_INTERRUPTED = 130
 
 OVERRIDES_HELP = ("config overrides as section.key=value (YAML values), applied after the file, "
@@ -49,6 +55,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def error_name(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
 def is_input_error(exc: BaseException) -> bool:
     """True for the project's own input-validation errors (see the module docstring)."""
     cls = type(exc)
@@ -215,7 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def show_warnings() -> None:
+    """The pipeline's warnings (a lost trainer, failing rewards) as `dora: warning: ...` lines on stderr."""
+    logger = logging.getLogger("dora")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("dora: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    show_warnings()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -224,11 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dora: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - re-raised below unless it is an input error
-        if not is_input_error(exc):
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless it is an input error or a stopped run
+        stopped = error_name(exc) in RUN_STOPPED_ERRORS
+        if not (stopped or is_input_error(exc)):
             raise
         print(f"dora: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, even for YAML errors
-        return EXIT_USAGE
+        return EXIT_STOPPED if stopped else EXIT_USAGE
 
 
 if __name__ == "__main__":

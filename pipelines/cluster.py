@@ -4,7 +4,9 @@ Embedded default: a SpecCluster of Nanny worker processes on this machine, GPU-l
   rollout-i   ``GPU=1, ROLLOUT=<rollout.slots>``, ``nthreads=<rollout.slots>`` (one per instance)
   trainer     ``GPU=1, TRAINER=1``, ``nthreads=1``
   cpu-i       ``CPU=<cluster.cpu_threads>`` (reward, advantage, gate, evaluation)
-A real cluster is launched the same way by hand (see the README):
+Every socket of the embedded cluster listens on `cluster.host` (loopback by default): a Dask scheduler runs any
+pickled function sent to it. With `cluster.tls_*` set, the driver's client and the embedded cluster speak TLS only.
+A real cluster is launched the same way by hand (see the README, also for its binding and TLS flags):
   dask scheduler
   dask worker tcp://HOST:8786 --nthreads 4 --resources "GPU=1,ROLLOUT=4"     # one per rollout GPU
   dask worker tcp://HOST:8786 --nthreads 1 --resources "GPU=1,TRAINER=1"     # the trainer GPU
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
 
 import dask
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, Security, SpecCluster
+from distributed.comm.core import CommClosedError, FatalCommClosedError
 
 from dora_tasks.plugins import WORKER_ENV
-from pipelines.config import Config
+from pipelines.config import ClusterConfig, Config
 
 log = logging.getLogger("dora")
 
@@ -58,38 +62,75 @@ def _describe_paused(info: dict, role: str) -> str:
     return f"{role}, process memory {memory / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB limit"
 
 
+def security(cfg: ClusterConfig) -> Security | None:
+    """TLS from `cluster.tls_*`, one certificate for every role, plain TCP refused; None when unset (Dask's own
+    `distributed.comm.tls` config then applies)."""
+    if not cfg.tls_cert:
+        return None
+    return Security(tls_ca_file=cfg.tls_ca_file, require_encryption=True,
+                    tls_client_cert=cfg.tls_cert, tls_client_key=cfg.tls_key,
+                    tls_scheduler_cert=cfg.tls_cert, tls_scheduler_key=cfg.tls_key,
+                    tls_worker_cert=cfg.tls_cert, tls_worker_key=cfg.tls_key)
+
+
 def embedded_cluster(cfg: Config) -> SpecCluster:
     env = dict(WORKER_ENV)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.rollout.kv_cache_bytes // 2**30))
+    sec = security(cfg.cluster)
+    # A Nanny passes host and protocol on to its worker, whose HTTP server then listens on that host too.
+    listen = {"host": cfg.cluster.host, "protocol": "tls" if sec else "tcp", "security": sec}
 
     def nanny(nthreads: int, resources: dict[str, float]) -> dict:
         return {"cls": Nanny, "options": {"nthreads": nthreads, "resources": resources, "env": env,
-                                          "memory_limit": cfg.cluster.worker_memory, "silence_logs": 40}}
+                                          "memory_limit": cfg.cluster.worker_memory, "silence_logs": 40, **listen}}
 
     slots = cfg.rollout.slots
     workers = {f"rollout-{i}": nanny(slots, {"GPU": 1, "ROLLOUT": slots}) for i in range(cfg.rollout.instances)}
     workers["trainer"] = nanny(1, {"GPU": 1, "TRAINER": 1})
     for i in range(cfg.cluster.cpu_workers):
         workers[f"cpu-{i}"] = nanny(cfg.cluster.cpu_threads, {"CPU": cfg.cluster.cpu_threads})
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": cfg.cluster.dashboard_address}}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": cfg.cluster.dashboard_address, **listen}}
     with dask.config.set(EMBEDDED_DASK_CONFIG):  # read by the scheduler and Nannies now, passed on to the workers
-        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
 
 
 def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
     """Client on the embedded cluster, or on `cluster.scheduler_address` (clear error if it cannot be reached)."""
+    sec = security(cfg.cluster)
     if not cfg.cluster.scheduler_address:
         cluster = embedded_cluster(cfg)
-        return cluster, Client(cluster, direct_to_workers=cfg.cluster.direct_to_workers)
+        return cluster, Client(cluster, security=sec, direct_to_workers=cfg.cluster.direct_to_workers)
     address = cfg.cluster.scheduler_address
     try:
-        client = Client(address, timeout=cfg.cluster.connect_timeout_s,
+        client = Client(address, timeout=cfg.cluster.connect_timeout_s, security=sec,
                         direct_to_workers=cfg.cluster.direct_to_workers)
-    except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
-        raise ClusterError(f"cluster.scheduler_address: cannot reach the Dask scheduler at {address} within "
-                           f"{cfg.cluster.connect_timeout_s:.0f} s ({type(exc).__name__}); start it with "
-                           f"`dask scheduler` or leave the address empty for the embedded cluster") from None
+    except (TypeError, OSError, asyncio.TimeoutError, TimeoutError) as exc:
+        if isinstance(exc, TypeError) and "TLS" not in str(exc):
+            raise
+        raise _connect_error(cfg.cluster, exc) from None
     return None, client
+
+
+TLS_KEYS = "cluster.tls_ca_file, cluster.tls_cert and cluster.tls_key"
+
+
+def _connect_error(cfg: ClusterConfig, exc: BaseException) -> ClusterError:
+    """One line naming the key to change, by how distributed failed: TypeError = a tls:// address without TLS
+    settings, FatalCommClosedError or an ssl.SSLError cause = a refused certificate, CommClosedError = a plain TCP
+    client hung up on (e.g. by a TLS scheduler), else nothing answered in time."""
+    address = cfg.scheduler_address
+    if isinstance(exc, TypeError):
+        return ClusterError(f"cluster.tls_cert: {address} is a TLS address but no certificate is set; set {TLS_KEYS}")
+    if isinstance(exc, (FatalCommClosedError, ssl.SSLError)) or isinstance(exc.__cause__, ssl.SSLError):
+        reason = str(exc.__cause__ or exc).splitlines()[0]
+        return ClusterError(f"cluster.tls_cert: the TLS handshake with the Dask scheduler at {address} failed "
+                            f"({reason}); set {TLS_KEYS} to a certificate signed by the CA the scheduler trusts")
+    if isinstance(exc, CommClosedError):
+        return ClusterError(f"cluster.scheduler_address: the Dask scheduler at {address} closed the connection at "
+                            f"once; if it runs with TLS, use its tls:// address and set {TLS_KEYS}")
+    return ClusterError(f"cluster.scheduler_address: cannot reach the Dask scheduler at {address} within "
+                        f"{cfg.connect_timeout_s:.0f} s ({type(exc).__name__}); start it with `dask scheduler` or "
+                        "leave the address empty for the embedded cluster")
 
 
 def labelled_workers(client: Client) -> Workers:

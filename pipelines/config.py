@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,18 @@ def _require(cond: bool, key: str, msg: str) -> None:
 
 def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, key, f"got {value!r}, allowed: {', '.join(allowed)}")
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+
+
+def _is_host(value: str) -> bool:
+    """An IP address or a DNS host name: no scheme, no port."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return _HOST_NAME.fullmatch(value) is not None
 
 
 @dataclass
@@ -58,7 +72,11 @@ class TaskConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     reward_fn: str = ""  # dotted path "package.module.function"; empty means the task's own reward
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = 10.0  # per call; a timed-out call is recorded as a reward failure
+    reward_isolation: str = "thread"  # "process": calls run in reward processes, killed past the timeout or memory
+    reward_memory_bytes: int = 2**30  # address-space limit (RLIMIT_AS) of each reward process (process isolation)
+    reward_failure_warn_share: float = 0.1  # warn when more than this share of an update's rewards failed
+    reward_failure_stop_updates: int = 3  # stop the run once every reward of this many updates in a row failed (0: never)
     num_prompts: int = 4096  # size of the generated prompt pool for procedural tasks
     eval_prompts: int = 64  # held-out prompts for accuracy
     eval_interval: int = 0  # updates between held-out evaluations; 0 evaluates the initial and final policy only
@@ -69,6 +87,13 @@ class TaskConfig:
         if self.name == "dataset":
             _require(bool(self.dataset), "task.dataset", "required when task.name=dataset")
         _require(self.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
+        _require(0 <= self.reward_failure_warn_share <= 1, "task.reward_failure_warn_share",
+                 f"must be in [0, 1], got {self.reward_failure_warn_share}")
+        _require(self.reward_failure_stop_updates >= 0, "task.reward_failure_stop_updates",
+                 f"must be >= 0 (0 = never stop), got {self.reward_failure_stop_updates}")
+        _choice(self.reward_isolation, "task.reward_isolation", ("thread", "process"))
+        _require(self.reward_memory_bytes > 0, "task.reward_memory_bytes",
+                 f"must be > 0, got {self.reward_memory_bytes}")
         _require(self.num_prompts > 0, "task.num_prompts", f"must be > 0, got {self.num_prompts}")
 
 
@@ -183,7 +208,12 @@ class ClusterConfig:
     worker_memory: str = "4GiB"
     direct_to_workers: bool = True  # the driver fetches groups straight from the workers; false if the driver
     #                                 cannot reach them (behind NAT): the scheduler then relays every result
-    dashboard_address: str = ":0"
+    host: str = "127.0.0.1"  # embedded cluster: where its scheduler, nannies and workers (and their HTTP servers)
+    #                          listen; loopback because a Dask scheduler runs any pickled code sent to it
+    dashboard_address: str = "127.0.0.1:0"  # embedded scheduler's dashboard (":0" would listen on every interface)
+    tls_ca_file: str = ""  # TLS: CA, certificate and key PEM files, all three or none; the driver's client uses
+    tls_cert: str = ""  # them (cluster.scheduler_address must then be tls://), and the embedded cluster runs on TLS
+    tls_key: str = ""  # with them for every role
     connect_timeout_s: float = 10.0
     paused_timeout_s: float = 60.0  # a worker paused by Dask's memory monitor this long stops the run with an error
 
@@ -194,6 +224,21 @@ class ClusterConfig:
         if self.scheduler_address:
             _require("://" in self.scheduler_address, "cluster.scheduler_address",
                      f"expected a URL such as tcp://host:8786, got {self.scheduler_address!r}")
+        _require(_is_host(self.host), "cluster.host",
+                 f"expected an IP address or host name (0.0.0.0: every interface), got {self.host!r}")
+        self._validate_tls()
+
+    def _validate_tls(self) -> None:
+        files = {"cluster.tls_ca_file": self.tls_ca_file, "cluster.tls_cert": self.tls_cert,
+                 "cluster.tls_key": self.tls_key}
+        if not any(files.values()):
+            return
+        for key, path in files.items():
+            _require(bool(path), key, "set all three of cluster.tls_ca_file, cluster.tls_cert, cluster.tls_key or none")
+            _require(Path(path).is_file(), key, f"{path!r} does not exist (a PEM file is expected)")
+        if self.scheduler_address:
+            _require(self.scheduler_address.startswith("tls://"), "cluster.scheduler_address",
+                     f"must be tls://HOST:PORT when cluster.tls_* are set, got {self.scheduler_address!r}")
 
 
 @dataclass

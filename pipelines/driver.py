@@ -27,25 +27,39 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from distributed import Client, Future
+from distributed import Client, Future, wait
+from distributed.scheduler import KilledWorker
 
 from dora_tasks import steps
-from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
-from dora_tasks.records import Group, Prompt, PublishedWeights, UpdateResult
-from pipelines.cluster import PausedWorkers, Workers, labelled_workers
+from dora_tasks.plugins import RolloutPlugin, TrainerLost, TrainerPlugin
+from dora_tasks.records import Group, Prompt, PublishedWeights, TrainerRestore, UpdateResult
+from pipelines.cluster import ClusterError, PausedWorkers, Workers, labelled_workers
 from pipelines.config import Config
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.metrics import Timeline, UpdateTiming
 from pipelines.orchestrator import Orchestrator, Start
+from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
 
 log = logging.getLogger("dora")
 ROLLOUT, CPU, TRAINER = {"ROLLOUT": 1}, {"CPU": 1}, {"TRAINER": 1}
+TRAINER_LOSS = (TrainerLost, KilledWorker)  # what a trainer task raises when the trainer's process died under it
+MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them before the run stops
+RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
+MAX_EVAL_ATTEMPTS = 2  # an evaluation that fails is tried once more, then skipped with a warning
 
 
 class RunFolderError(ValueError):
     """The run folder cannot be used as asked (already holds a run, or holds none to resume)."""
+
+
+class RewardFailureError(RuntimeError):
+    """Every reward of `task.reward_failure_stop_updates` updates in a row failed: the reward function is broken."""
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot be brought back; the run folder can be resumed with `dora resume`."""
 
 
 def cache_root() -> str:
@@ -76,7 +90,29 @@ class InFlight:
 class QueuedUpdate:
     decision: BatchDecision
     ready: float  # when the gate handed the batch over
+    checked: Future  # gate(u)
     updated: Future  # update(u), which publishes version u + 1
+
+
+@dataclass
+class RateLimit:
+    """True at most once every `every_s` seconds (a warning that would repeat at every update)."""
+
+    every_s: float
+    last: float = float("-inf")
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        return True
+
+
+@dataclass
+class Evaluation:
+    version: int
+    attempt: int
 
 
 @dataclass
@@ -90,6 +126,7 @@ class Driver:
     model_path: str
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
+    checkpoints: CheckpointStore | None = None  # where a restarted trainer takes its optimizer state from
     timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
     attempts: dict[int, int] = field(default_factory=dict)
@@ -97,13 +134,19 @@ class Driver:
     unscored: list[int] = field(default_factory=list)  # rolled out this turn, scoring not submitted yet
     scoring: dict[tuple, list[int]] = field(default_factory=dict)  # advantage key -> the groups it scores
     scoring_batches: int = 0
-    update_futures: dict[Future, str] = field(default_factory=dict)  # update/eval future -> kind
+    evaluations: dict[Future, Evaluation] = field(default_factory=dict)  # queued or running held-out evaluations
+    eval_failures: int = 0
+    trainer: str = ""  # address of the trainer worker holding the engine
+    trainer_restarts: int = 0
+    restarts_in_a_row: int = 0  # since the last publish
+    all_rewards_failed: int = 0  # updates in a row in which every reward failed
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
     live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
     _synced: float = 0.0
+    _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(30.0))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
@@ -114,7 +157,10 @@ class Driver:
         if time.time() - self._synced < every_s:
             return
         self._synced = time.time()
-        current = self.check_workers().rollout
+        workers = self.check_workers()
+        if self.trainer and self.trainer not in workers.trainer:
+            self.recover_trainer(f"worker {self.trainer} left the cluster")
+        current = workers.rollout
         for address in list(self.orchestrator.instances):
             if address not in current:
                 self.restart_groups_of(address)
@@ -183,6 +229,7 @@ class Driver:
             n = self.scoring_batches
             rolled = [self.in_flight[g].futures[0] for g in gids]
             rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
+                                          t.reward_isolation, t.reward_memory_bytes,
                                           key=("reward", n), resources=CPU, pure=False)
             scored = self.client.submit(steps.advantage, rewarded, a.advantage, a.filter_degenerate,
                                         key=("advantage", n), resources=CPU, pure=False)
@@ -219,22 +266,27 @@ class Driver:
         """gate(u) -> update(u), which publishes u+1. A batch handed over early (lookahead) reaches the trainer while
         the previous update trains and starts the moment that one's weights are written."""
         u, c = decision.update, self.cfg
+        suffix = (self.trainer_restarts,) if self.trainer_restarts else ()  # a key of a cancelled task is never reused
         groups = [self.complete[g] for g in decision.group_ids]
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
-                                     c.rollout.partial_rollout, *groups, key=("gate", u), resources=CPU, pure=False)
-        updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u), resources=TRAINER,
+                                     c.rollout.partial_rollout, *groups, key=("gate", u) + suffix, resources=CPU,
                                      pure=False)
-        self.updates.append(QueuedUpdate(decision, time.time(), updated))
-        self.update_futures[updated] = "update"
+        updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u) + suffix,
+                                     resources=TRAINER, pure=False)
+        self.updates.append(QueuedUpdate(decision, time.time(), checked, updated))
         self.watch(updated)
 
+    def is_update(self, future: Future) -> bool:
+        return any(q.updated is future for q in self.updates)
+
     def on_published(self, future: Future) -> dict[str, float]:
-        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator)."""
+        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator).
+        Raises the task's error (then nothing changed)."""
+        result: UpdateResult = future.result()
         queued = self.updates.popleft()
         if queued.updated.key != future.key:
             raise RuntimeError(f"{future.key} finished before {queued.updated.key}")
         decision, ready = queued.decision, queued.ready
-        result: UpdateResult = future.result()
         published: PublishedWeights = result.published
         now = time.time()
         groups = [self.complete.pop(g) for g in decision.group_ids]
@@ -249,11 +301,73 @@ class Driver:
                                  published.seconds, metrics)
         self.retain_weights()
         self.last_metrics = metrics
+        self.restarts_in_a_row = 0
+        self.check_rewards([t.reward_error for g in groups for t in g.trajectories if t.reward_error],
+                           sum(len(g.trajectories) for g in groups))
         return metrics
+
+    # ---- trainer loss --------------------------------------------------------------------------------------------
+    def recover_trainer(self, why: str) -> TrainerRestore:
+        """The trainer died (at any moment: training, publishing, checkpointing, idle). A restarted trainer worker
+        gets a new engine on the newest version the driver took in, with the optimizer state of the last checkpoint
+        (a fresh one without), and the batches handed to the lost trainer go to it again, in order. A version the
+        lost trainer published but the driver never took in is deleted: it is published again, once."""
+        log.warning("trainer lost (%s); restoring it at version %d", why, self.gate.newest)
+        queued = list(self.updates)
+        self.updates.clear()
+        self.client.cancel([f for q in queued for f in (q.checked, q.updated)])
+        self.retain_weights(drop_unseen=True)
+        checkpoint = self.checkpoints.latest() if self.checkpoints is not None else None
+        folder = checkpoint.file("trainer") if checkpoint is not None else None
+        restored = None
+        while restored is None:  # the new trainer may die too, before it is restored
+            self.count_trainer_restart(why)
+            self.wait_for_trainer()
+            try:
+                restored = self.client.submit(steps.restore_trainer, self.gate.newest, folder, resources=TRAINER,
+                                              key=("restore-trainer", self.trainer_restarts), pure=False
+                                              ).result(timeout=RESTORE_TIMEOUT_S)
+            except TRAINER_LOSS as exc:
+                why = f"lost again while restored: {type(exc).__name__}"
+            except TimeoutError:
+                raise TrainerError(f"the trainer was lost ({why}) and not restored within {RESTORE_TIMEOUT_S:.0f} s; "
+                                   f"continue the run with `dora resume {self.cfg.storage.run_dir}`") from None
+        self.trainer = restored.worker
+        for q in queued:
+            self.submit_update(q.decision)
+        if restored.optimizer_from:
+            log.warning("trainer restored at version %d with the optimizer state of %s", restored.version,
+                        restored.optimizer_from)
+        else:
+            log.warning("trainer restored at version %d with a FRESH optimizer state (%s)", restored.version,
+                        "no checkpoint yet" if folder is None else f"{self.cfg.train.engine} ZeRO-"
+                        f"{self.cfg.train.zero_stage} cannot take the optimizer state of {folder} alone")
+        return restored
+
+    def count_trainer_restart(self, why: str) -> None:
+        self.trainer_restarts += 1
+        self.restarts_in_a_row += 1
+        if self.restarts_in_a_row > MAX_TRAINER_RESTARTS:
+            raise TrainerError(f"the trainer was lost {self.restarts_in_a_row} times without publishing a version "
+                               f"in between (last: {why}); continue the run with `dora resume "
+                               f"{self.cfg.storage.run_dir}` once the trainer worker is healthy")
+
+    def wait_for_trainer(self) -> str:
+        """The address of a connected trainer worker (its Nanny restarts it within seconds)."""
+        timeout_s = max(30.0, self.cfg.cluster.connect_timeout_s)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            trainers = labelled_workers(self.client).trainer
+            if trainers:
+                return trainers[0]
+            time.sleep(0.2)
+        raise ClusterError(f"the trainer was lost and no worker labelled GPU=1,TRAINER=1 joined within "
+                           f"{timeout_s:.0f} s; start one and continue with `dora resume {self.cfg.storage.run_dir}`")
 
     def update_metrics(self, decision: BatchDecision, groups: list[Group], result: UpdateResult,
                        published: PublishedWeights, now: float) -> dict[str, float]:
         rewards = np.concatenate([np.nan_to_num(g.rewards, nan=0.0) for g in groups])
+        errors = [t.reward_error for g in groups for t in g.trajectories if t.reward_error]
         staleness = np.array([decision.update - g.version for g in groups])
         prev = self.timeline.updates[-2].published if len(self.timeline.updates) > 1 else self.timeline.t0
         metrics = dict(result.metrics)
@@ -265,59 +379,107 @@ class Driver:
             "live_versions": float(max((len(v) for _, v in self.live_history[-50:]), default=1)),
             "step_time_s": now - prev, "weight_sync_s": published.seconds,
             "tokens": float(sum(g.num_tokens for g in groups)),
-            "reward_failures": float(sum(1 for g in groups for t in g.trajectories if t.reward_error)),
+            "reward_failures": float(len(errors)), "reward_failure_share": len(errors) / len(rewards),
+            "trainer_restarts": float(self.trainer_restarts), "eval_failures": float(self.eval_failures),
             "wall_s": now - self.timeline.t0,
         })
         metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
         return metrics
 
+    def check_rewards(self, errors: list[str], scored: int) -> None:
+        """Warn when more than `task.reward_failure_warn_share` of a batch's rewards failed; stop the run once every
+        reward of `task.reward_failure_stop_updates` updates in a row failed (a reward function that always raises
+        or returns no number would otherwise train on zeros in silence)."""
+        t = self.cfg.task
+        self.all_rewards_failed = self.all_rewards_failed + 1 if len(errors) == scored else 0
+        example = max(set(errors), key=errors.count) if errors else ""
+        if t.reward_failure_stop_updates and self.all_rewards_failed >= t.reward_failure_stop_updates:
+            raise RewardFailureError(
+                f"every reward of the last {self.all_rewards_failed} updates failed (task.reward_fn="
+                f"{t.reward_fn or '(the task default)'}; most frequent error: {example}); fix the reward function "
+                f"and continue with `dora resume {self.cfg.storage.run_dir}`, or set "
+                "task.reward_failure_stop_updates=0 to train on failed rewards as 0")
+        if errors and len(errors) > t.reward_failure_warn_share * scored and self._reward_warnings.ready():
+            log.warning("%d of %d rewards of this update failed (most frequent: %s)", len(errors), scored, example)
+
     def retain_weights(self, *, drop_unseen: bool = False) -> None:
-        """Keep the versions unconsumed groups still need, the newest, (for resume) the checkpoint's, and any newer
-        version the trainer published ahead of the driver (update lookahead: the next publish can land before the
-        driver has taken in this one). `drop_unseen`: delete those too (resume: they will be published again)."""
+        """Keep the versions unconsumed groups still need, the newest, those a queued evaluation will read, (for
+        resume) the checkpoint's, and any newer version the trainer published ahead of the driver (update lookahead:
+        the next publish can land before the driver has taken in this one). `drop_unseen`: delete those too (resume
+        and a restored trainer: they will be published again)."""
         keep = set(self.gate.unconsumed.values()) | {self.gate.newest} | self.pinned_versions
+        keep |= {e.version for e in self.evaluations.values()}
         if self.cfg.storage.keep_versions:
             keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
         self.weights.retain(keep, newer_than=None if drop_unseen else self.gate.newest)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
-    def submit_evaluation(self, version: int) -> None:
+    def submit_evaluation(self, version: int, attempt: int = 0) -> None:
+        t = self.cfg.task
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
-                                    self.model_path, self.cfg.task.reward_fn, self.cfg.rollout.max_new_tokens,
-                                    self.cfg.dora.seed, key=("evaluate", version), resources=CPU, pure=False, priority=-10)
-        self.update_futures[future] = f"evaluate:{version}"
+                                    self.model_path, t.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
+                                    t.reward_timeout_s, t.reward_isolation, t.reward_memory_bytes,
+                                    key=("evaluate", version) + ((attempt,) if attempt else ()), resources=CPU,
+                                    pure=False, priority=-10)
+        self.evaluations[future] = Evaluation(version, attempt)
         self.watch(future)
+
+    def on_evaluated(self, future: Future) -> float | None:
+        """The held-out accuracy of the evaluated version; None when it failed (tried again once, then skipped:
+        a failed evaluation never stops training)."""
+        evaluation = self.evaluations.pop(future)
+        if future.status != "error":
+            self.accuracy[evaluation.version] = float(future.result())
+            self.retain_weights()
+            return self.accuracy[evaluation.version]
+        exc = future.exception()
+        self.eval_failures += 1
+        again = evaluation.attempt + 1 < MAX_EVAL_ATTEMPTS and evaluation.version in self.weights.versions()
+        log.warning("evaluation of version %d failed (%s: %s); %s", evaluation.version, type(exc).__name__, exc,
+                    "trying once more" if again else "skipped, training goes on")
+        if again:
+            self.submit_evaluation(evaluation.version, evaluation.attempt + 1)
+        else:
+            self.retain_weights()
+        return None
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Start every engine and load the current version before the run's clock starts (engine start-up is
-        minutes on a busy machine and is not part of a step)."""
+        minutes on a busy machine and is not part of a step); evaluate the current version if it is due and not
+        evaluated yet (version 0, or the checkpoint's version after a resume)."""
         v, path = self.gate.newest, self.weights.path_for(self.gate.newest)
         prompt = list(self.train_prompts[0].token_ids)
         futures = [self.client.submit(steps.warm_up_rollout, v, path, prompt, key=("warm-up", v, address),
                                       workers=[address], resources=ROLLOUT, pure=False)
                    for address in self.orchestrator.instances]
-        futures.append(self.client.submit(steps.warm_up_trainer, v, key=("warm-up-trainer", v), resources=TRAINER,
-                                          pure=False))
-        if 0 not in self.accuracy and self.gate.newest == 0:
-            self.submit_evaluation(0)
-        for f in futures:
+        trainer = self.client.submit(steps.warm_up_trainer, v, key=("warm-up-trainer", v), resources=TRAINER,
+                                     pure=False)
+        if v not in self.accuracy and self.evaluation_due(v):
+            self.submit_evaluation(v)
+        for f in futures + [trainer]:
             while True:
                 try:
                     f.result(timeout=1.0)
                     break
                 except TimeoutError:
                     self.check_workers()  # a paused engine never starts
-        for f in list(self.update_futures):
-            kind = self.update_futures.pop(f)
-            self.accuracy[int(kind.split(":")[1])] = float(f.result())
+        self.trainer = self.client.who_has(trainer)[trainer.key][0]
+        while self.evaluations:
+            wait(list(self.evaluations))
+            for f in [f for f in self.evaluations if f.done()]:
+                self.on_evaluated(f)
         self.timeline = Timeline(time.time())
+
+    def evaluation_due(self, version: int) -> bool:
+        interval = self.cfg.task.eval_interval
+        return version in (0, self.cfg.dora.num_updates) or bool(interval and version % interval == 0)
 
     # ---- waiting -------------------------------------------------------------------------------------------------
     def pending(self) -> list[Future]:
         rolling = [g.futures[0] for g in self.in_flight.values() if not g.rolled_out]
         scoring = {g.futures[-1].key: g.futures[-1] for g in self.in_flight.values() if len(g.futures) > 1}
-        return rolling + list(scoring.values()) + list(self.update_futures)
+        return rolling + list(scoring.values()) + [q.updated for q in self.updates] + list(self.evaluations)
 
     def watch(self, *futures: Future) -> None:
         """Queue each future when it finishes (one callback per future, registered once, rather than waiting

@@ -37,8 +37,10 @@ def format_elapsed(seconds: float) -> str:
 
 
 def status_line(update: int, newest_version: int, live_versions: Sequence[int], in_flight: int, reward: float,
-                tokens_per_s: float, max_staleness: int, elapsed_s: float) -> str:
+                tokens_per_s: float, max_staleness: int, elapsed_s: float, reward_failure_share: float = 0.0) -> str:
     reward_text = f"{reward:.3f}" if math.isfinite(reward) else "-"
+    if reward_failure_share > 0:  # a failed reward counts as 0 in the mean: say how many there were
+        reward_text += f" ({reward_failure_share:.0%} FAILED)"
     return (f"[dora] update {update} | newest v{newest_version} | {format_versions(live_versions, max_staleness)}"
             f" | in flight {in_flight} | reward {reward_text} | {format_rate(tokens_per_s)}"
             f" | {format_elapsed(elapsed_s)}")
@@ -67,15 +69,27 @@ class LiveView:
         self._width = 0  # length of the line currently drawn (TTY)
 
     def update(self, update: int, newest_version: int, live_versions: Sequence[int], in_flight: int,
-               reward: float, tokens_per_s: float, max_staleness: int) -> None:
+               reward: float, tokens_per_s: float, max_staleness: int, reward_failure_share: float = 0.0) -> None:
         if not self.enabled:
             return
         now = self._clock()
         self._pending = status_line(update, newest_version, live_versions, in_flight, float(reward),
-                                    float(tokens_per_s), max_staleness, now - self._started)
+                                    float(tokens_per_s), max_staleness, now - self._started, reward_failure_share)
         if now - self._last_shown >= self.min_interval_s:
             self._show(self._pending)
             self._last_shown = now
+
+    def event(self, message: str) -> None:
+        """A line of its own for something the operator must see (a lost trainer), above the status line."""
+        if not self.enabled:
+            return
+        try:
+            self.stream.write(("\r" + " " * self._width + "\r" if self.is_tty else "") + f"[dora] {message}\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.enabled = False
+        self._width = 0
+        self._last_shown = -math.inf  # redraw the status line at once
 
     def close(self) -> None:
         if not self.enabled:

@@ -74,17 +74,18 @@ def version_colors(versions: Sequence[int]) -> dict[int, tuple]:
 
 
 # ----------------------------------------------------------------------------------------------- learning curves
-def _plot_reward_accuracy(ax, x: np.ndarray, reward: np.ndarray, accuracy: np.ndarray, xlabel: str) -> None:
+def _plot_reward_accuracy(ax, x: np.ndarray, reward: np.ndarray, xa: np.ndarray, accuracy: np.ndarray,
+                          xlabel: str) -> None:
     xr, yr = _finite_xy(x, reward)
     ax.plot(xr, yr, "o-", color=REWARD_COLOR, ms=3, label="reward (mean of consumed batch)")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("reward", color=REWARD_COLOR)
     ax.tick_params(axis="y", labelcolor=REWARD_COLOR)
     ax.grid(alpha=0.3)
-    xa, ya = _finite_xy(x, accuracy)
+    xa, ya = _finite_xy(xa, accuracy)
     if len(xa):
         twin = ax.twinx()
-        twin.plot(xa, ya, "s--", color=ACCURACY_COLOR, ms=4, label="accuracy (held-out)")
+        twin.plot(xa, ya, "s--", color=ACCURACY_COLOR, ms=4, label="accuracy (held-out, policy after x updates)")
         twin.set_ylabel("accuracy", color=ACCURACY_COLOR)
         twin.tick_params(axis="y", labelcolor=ACCURACY_COLOR)
         twin.set_ylim(-0.02, 1.02)
@@ -94,21 +95,37 @@ def _plot_reward_accuracy(ax, x: np.ndarray, reward: np.ndarray, accuracy: np.nd
         ax.legend(loc="best", fontsize=8)
 
 
-def plot_learning(updates: Table, out: str | None = None) -> str:
-    """Reward and accuracy vs update (left) and vs wall time (right).
+def accuracy_points(update: np.ndarray, end_time: np.ndarray, column: np.ndarray,
+                    by_version: Mapping[int, float] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(version, wall time, accuracy) of each evaluated policy: version v is the policy after v updates, published
+    at the end of update v - 1; version 0 is the initial policy, at time 0. `by_version` (a run's evaluations,
+    version 0 included) wins over the table's column, which holds version u + 1 on the row of update u."""
+    ends = {int(u) + 1: t for u, t in zip(update, end_time)}
+    ends[0] = 0.0
+    if by_version is None:
+        by_version = {int(u) + 1: a for u, a in zip(update, column)}
+    versions = sorted(v for v in by_version if v in ends)
+    return (np.array(versions, dtype=np.float64), np.array([ends[v] for v in versions], dtype=np.float64),
+            np.array([by_version[v] for v in versions], dtype=np.float64))
+
+
+def plot_learning(updates: Table, out: str | None = None, accuracy: Mapping[int, float] | None = None) -> str:
+    """Reward vs update and held-out accuracy vs policy version (left), both vs wall time (right).
 
     `updates`: arrays `update`, `end_time` (s), `reward_mean`, `accuracy` (NaN where not evaluated; may be absent).
+    `accuracy`: version -> held-out accuracy, version 0 included (else the table's column, without version 0).
     """
     update = _f64(updates["update"])
     n = len(update)
     end_time = _f64(updates.get("end_time", np.full(n, np.nan)))
     reward = _f64(updates.get("reward_mean", np.full(n, np.nan)))
-    accuracy = _f64(updates.get("accuracy", np.full(n, np.nan)))
+    versions, times, acc = accuracy_points(update, end_time, _f64(updates.get("accuracy", np.full(n, np.nan))),
+                                           accuracy)
     fig = Figure(figsize=(13, 4.2))
     left, right = fig.subplots(1, 2, gridspec_kw={"wspace": 0.4})
-    _plot_reward_accuracy(left, update, reward, accuracy, "update")
+    _plot_reward_accuracy(left, update, reward, versions, acc, "update")
     left.set_title("vs update")
-    _plot_reward_accuracy(right, end_time, reward, accuracy, "wall time since start (s)")
+    _plot_reward_accuracy(right, end_time, reward, times, acc, "wall time since start (s)")
     right.set_title("vs wall time")
     fig.suptitle(f"Learning: {n} updates")
     return _save(fig, _out_path(out, "learning.png"))
@@ -432,8 +449,10 @@ def publish_times(upd: Table, t0: float) -> list[tuple[int, float]]:
     return [(int(v), float(t)) for v, t in zip(version, _f64(upd["end"]) - t0) if np.isfinite(v) and np.isfinite(t)]
 
 
-def make_plots(tables: Mapping[str, Table], out_dir: str, K: int | None) -> list[str]:
-    """Every plot the given store tables allow, as PNGs in `out_dir`; returns their paths.
+def make_plots(tables: Mapping[str, Table], out_dir: str, K: int | None,
+               accuracy: Mapping[int, float] | None = None) -> list[str]:
+    """Every plot the given store tables allow, as PNGs in `out_dir`; returns their paths. `accuracy`: held-out
+    accuracy by policy version (version 0 included), for the learning curve.
 
     `tables`: name -> column -> array, as `TrajectoryStore.read_table(name)` returns them. Missing or empty tables
     skip their plots; missing optional metric columns are derived or left out (see the module docstring).
@@ -445,7 +464,7 @@ def make_plots(tables: Mapping[str, Table], out_dir: str, K: int | None) -> list
     paths = []
     if upd is not None:
         view = updates_view(tables, t0)
-        paths.append(plot_learning(view, os.path.join(out_dir, "learning.png")))
+        paths.append(plot_learning(view, os.path.join(out_dir, "learning.png"), accuracy))
         paths.append(plot_throughput(view, os.path.join(out_dir, "throughput.png")))
     if traj is not None:
         mask = consumed_mask(traj)

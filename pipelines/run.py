@@ -8,12 +8,12 @@ trajectory store is flushed and closed, so nothing already produced is lost.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import yaml
 from distributed import Future
 
@@ -21,9 +21,11 @@ from dora_tasks import steps
 from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.workloads.datasets import load_prompts
+from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn
 from pipelines.config import Config, config_from_dict, apply_overrides
 from pipelines.cluster import connect, wait_for_workers
-from pipelines.driver import TRAINER, Driver, RunFolderError, initial_policy, publish_initial, register_plugins
+from pipelines.driver import (TRAINER, TRAINER_LOSS, Driver, RunFolderError, initial_policy, publish_initial,
+                              register_plugins)
 from pipelines.gate import VersionGate
 from pipelines.live import LiveView
 from pipelines.metrics import summary as timing_summary
@@ -74,65 +76,104 @@ class Run:
     checkpoints: CheckpointStore
     cluster: object
     workers: object
+    logged_accuracy: set[int] = field(default_factory=set)
 
     # ---- results -------------------------------------------------------------------------------------------------
     def take(self, future: Future) -> None:
         d = self.driver
-        if future.status == "error":
+        if future in d.evaluations:
+            d.on_evaluated(future)
+            self.log_accuracy()
+        elif d.is_update(future):
+            self._take_update(future)
+        elif future.status == "error":
             self._fail(future)
-        kind = d.update_futures.pop(future, None)
-        if kind is None and future.key[0] == "rollout":
+        elif future.key[0] == "rollout":
             d.on_rolled_out(future.key[2])
-        elif kind is None:
+        else:
             d.on_scored(future)
-        elif kind == "update":
+
+    def _take_update(self, future: Future) -> None:
+        d = self.driver
+        try:
             metrics = d.on_published(future)
-            self._after_update(d.gate.next_update - 1, metrics)
-        elif kind.startswith("evaluate:"):
-            version = int(kind.split(":")[1])
-            d.accuracy[version] = float(future.result())
-            self.tracker.log_update(version - 1 if version else 0, {"accuracy": d.accuracy[version],
-                                                                      "accuracy_version": float(version)})
+        except TRAINER_LOSS as exc:
+            self.trainer_lost(f"{future.key[:2]} failed: {type(exc).__name__}")
+            return
+        except Exception:
+            if future.status == "error":
+                self._fail(future)
+            raise
+        self._after_update(d.gate.next_update - 1, metrics)
+
+    def trainer_lost(self, why: str) -> None:
+        """Bring a restarted trainer back (see `Driver.recover_trainer`) and say so in the terminal; the next
+        update's metrics (store and MLflow) count it in `trainer_restarts`."""
+        d = self.driver
+        restored = d.recover_trainer(why)
+        optimizer = f"optimizer of {os.path.basename(os.path.dirname(restored.optimizer_from))}" \
+            if restored.optimizer_from else "FRESH optimizer"
+        self.live.event(f"trainer lost ({why}); restored at version {restored.version} with a {optimizer}")
 
     def _fail(self, future: Future) -> None:
         exc = future.exception()
         raise RunError(f"task {future.key} failed: {type(exc).__name__}: {exc}") from exc
 
     def _after_update(self, update: int, metrics: dict[str, float]) -> None:
-        d, cfg = self.driver, self.cfg
+        d = self.driver
         version = update + 1
         self.tracker.log_update(update, metrics)
-        interval = cfg.task.eval_interval
-        if version == cfg.dora.num_updates or (interval and version % interval == 0):
+        if d.evaluation_due(version):
             d.submit_evaluation(version)
         if d.checkpoint_due(version):
             self.checkpoint(update)
+
+    def log_kept_updates(self) -> None:
+        """A resumed run's MLflow run is new: it gets every update the store kept, as they were logged first."""
+        table = self.driver.store.read_table("updates")
+        names = [c for c in table if c.startswith("metrics/")]
+        for row, update in enumerate(table["update"]):
+            self.tracker.log_update(int(update), {c.split("/", 1)[1]: table[c][row] for c in names})
+
+    def log_accuracy(self) -> None:
+        """Held-out accuracy of each version once, at step = version (0 is the initial policy)."""
+        for version in sorted(set(self.driver.accuracy) - self.logged_accuracy):
+            self.tracker.log_update(version, {"accuracy": self.driver.accuracy[version]})
+            self.logged_accuracy.add(version)
 
     def show_progress(self) -> None:
         d = self.driver
         self.live.update(d.gate.next_update, d.gate.newest, d.orchestrator.live_versions(), d.orchestrator.in_flight,
                          d.last_metrics.get("reward_mean", float("nan")), d.last_metrics.get("tokens_per_s", 0.0),
-                         int(d.last_metrics.get("staleness_max", 0)))
+                         int(d.last_metrics.get("staleness_max", 0)), d.last_metrics.get("reward_failure_share", 0.0))
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint(self, update: int) -> None:
+        """Gate, orchestrator, store rows and the trainer's state after `update`. The trainer is between two updates
+        (`Driver.may_hand_over`); if it is lost meanwhile, it is restored and the checkpoint taken again."""
         d = self.driver
         d.store.flush()
+        self.tracker.flush_metrics()
         d.pinned_versions = set(d.gate.unconsumed.values()) | {d.gate.newest}
         state = {"gate": d.gate.to_state(), "orchestrator": d.orchestrator.to_state(), "attempts": d.attempts,
                  "store_rows": d.store.row_counts(), "accuracy": d.accuracy, "version": d.gate.newest}
 
         def save_trainer(folder: str) -> None:
-            d.client.submit(steps.save_trainer_checkpoint, folder, key=("checkpoint", update), resources=TRAINER,
-                            pure=False).result()
+            d.client.submit(steps.save_trainer_checkpoint, folder, key=("checkpoint", update, d.trainer_restarts),
+                            resources=TRAINER, pure=False).result()
 
-        self.checkpoints.save(update, state, {"trainer": save_trainer})
+        while True:
+            try:
+                self.checkpoints.save(update, state, {"trainer": save_trainer})
+                break
+            except TRAINER_LOSS as exc:
+                self.trainer_lost(f"checkpoint {update} failed: {type(exc).__name__}")
         d.retain_weights()
 
     # ---- the end -------------------------------------------------------------------------------------------------
     def finish(self) -> RunSummary:
         d, cfg = self.driver, self.cfg
-        while d.update_futures:  # the final evaluation
+        while d.evaluations:  # the final evaluation
             for future in d.wait_any(1.0):
                 self.take(future)
         busy = d.client.run(_busy_spans)
@@ -159,9 +200,8 @@ class Run:
 
         store = TrajectoryStore.open(self.cfg.storage.resolved("trajectory_store"))
         tables = {name: store.read_table(name) for name in ("dispatch", "trajectories", "updates")}
-        updates = tables["updates"]  # held-out accuracy of version u + 1 belongs to the row of update u
-        updates["accuracy"] = np.array([self.driver.accuracy.get(int(u) + 1, np.nan) for u in updates["update"]])
-        return make_plots(tables, os.path.join(self.cfg.storage.run_dir, "plots"), self.cfg.dora.max_staleness)
+        return make_plots(tables, os.path.join(self.cfg.storage.run_dir, "plots"), self.cfg.dora.max_staleness,
+                          self.driver.accuracy)
 
 
 def _busy_spans(dask_worker):
@@ -175,9 +215,12 @@ def _resolve_for_resume(run_dir: str, overrides: list[str]) -> Config:
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise RunFolderError(f"{run_dir!r} holds no run to resume (no {CONFIG_FILE}); start one with `dora run`")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    return config_from_dict(apply_overrides(data, overrides))
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise RunFolderError(f"{path} is not valid YAML, so {run_dir!r} cannot be resumed: {exc}") from None
+    return config_from_dict(apply_overrides(data if isinstance(data, dict) else {}, overrides))
 
 
 def _store_meta(cfg: Config) -> dict:
@@ -187,7 +230,7 @@ def _store_meta(cfg: Config) -> dict:
             "config": json.dumps(cfg.to_dict())}
 
 
-def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:
+def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:
     run_dir, store_path = cfg.storage.run_dir, cfg.storage.resolved("trajectory_store")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
@@ -196,11 +239,10 @@ def _fresh_state(cfg: Config) -> tuple[VersionGate, Orchestrator, TrajectoryStor
     gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size,
                         queue_while_draining=cfg.rollout.queue_while_draining)
-    return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg))
+    return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg), overwrite=overwrite)
 
 
-def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
-    ckpt = checkpoints.load_latest()
+def _resumed_state(cfg: Config, ckpt):
     state = ckpt.state
     gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead, order=cfg.dora.batch_order)
     gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
@@ -212,22 +254,43 @@ def _resumed_state(cfg: Config, checkpoints: CheckpointStore):
         orch.requeue(gid, version)
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")
     store.truncate_to(state["store_rows"])
-    return gate, orch, store, ckpt
+    return gate, orch, store
+
+
+def check_reward_fn(dotted: str) -> None:
+    """The reward function resolves and takes (prompt, response, answer), before any cluster starts."""
+    fn = resolve_reward_fn(dotted)
+    try:
+        inspect.signature(fn).bind("prompt", "response", "answer")
+    except TypeError as exc:
+        raise RewardError(f"task.reward_fn {dotted!r}: cannot be called as fn(prompt, response, answer): "
+                          f"{exc}") from None
+    except ValueError:  # a builtin without a signature: it is called as it is
+        pass
+
+
+def _checkpoint_to_resume(checkpoints: CheckpointStore):
+    """The latest complete checkpoint; None (said loudly) when the run was stopped before its first one."""
+    ckpt = checkpoints.latest()
+    if ckpt is None:
+        log.warning("%s holds no complete checkpoint: the run starts again from update 0", checkpoints.root)
+    return ckpt
 
 
 @contextlib.contextmanager
 def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | None = None):
-    """Check everything cheap first (config, run folder, dataset, cluster), then start the work."""
+    """Check everything cheap first (config, run folder, reward, dataset, engines), then start the cluster and
+    check its labels, and only then write into the run folder."""
     if resume_dir:
         cfg = _resolve_for_resume(resume_dir, overrides or [])
         cfg.storage.run_dir = resume_dir
     checkpoints = CheckpointStore(os.path.join(cfg.storage.run_dir, "checkpoints"))
+    check_reward_fn(cfg.task.reward_fn)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
     train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
     check_engines(cfg, cfg.model.path or None, train_prompts)  # before any cluster starts
-    if resume_dir:
-        checkpoints.load_latest()
-    elif os.path.exists(cfg.storage.resolved("trajectory_store")):
+    ckpt = _checkpoint_to_resume(checkpoints) if resume_dir else None
+    if not resume_dir and os.path.exists(cfg.storage.resolved("trajectory_store")):
         raise RunFolderError(f"storage.run_dir {cfg.storage.run_dir!r} already holds a run; resume it with "
                              f"`dora resume {cfg.storage.run_dir}` or choose another storage.run_dir")
     stack = contextlib.ExitStack()
@@ -240,11 +303,10 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         model_path = initial_policy(cfg)
         check_engines(cfg, model_path, train_prompts)  # again, with the real initial policy
         weights = WeightStore(cfg.storage.resolved("weight_store"))
-        if resume_dir:
-            gate, orch, store, ckpt = _resumed_state(cfg, checkpoints)
+        if ckpt is not None:
+            gate, orch, store = _resumed_state(cfg, ckpt)
         else:
-            gate, orch, store = _fresh_state(cfg)
-            ckpt = None
+            gate, orch, store = _fresh_state(cfg, overwrite=bool(resume_dir))
         stack.callback(store.close)
         publish_initial(weights, model_path)
         register_plugins(client, cfg, weights.root, model_path)
@@ -252,12 +314,16 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         tracker = stack.enter_context(Tracker(cfg, resume=bool(resume_dir)))
         live = LiveView(cfg.tracking.live_view)
         stack.callback(live.close)
-        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts)
+        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints)
         run = Run(cfg, driver, tracker, live, checkpoints, cluster, workers)
         if ckpt is not None:
             _restore(run, ckpt)
+        elif resume_dir:
+            driver.retain_weights(drop_unseen=True)  # started again: versions of the stopped attempt go
+        run.log_kept_updates()
         driver.sync_instances()
-        driver.warm_up()  # engines loaded and version 0 evaluated before the clock starts
+        driver.warm_up()  # engines loaded and the current version evaluated before the clock starts
+        run.log_accuracy()
         yield run
 
 

@@ -17,6 +17,10 @@ Simplifications, and why:
 - The MLflow client (`MlflowClient`) is used instead of the fluent `mlflow.start_run` API: no process-global active
   run, so several trackers (tests, benchmark sweeps) can coexist in one process. `mlflow` is imported lazily (it takes
   seconds to import), so `NullTracker` and this module cost nothing when tracking is off.
+- A resume starts a new MLflow run (tag `dora.resumed_from`) and the killed one is closed (tag
+  `dora.superseded_by`): the killed run logged updates after its last checkpoint that the resume trains again, and
+  MLflow cannot delete logged values. The pipeline logs the store's kept updates into the new run first, so it holds
+  every step once.
 - Runs share an experiment's artifact location: with a shared `mlflow_uri`, artifacts land under the run folder of the
   run that created the experiment. Per-run-folder stores (the default) avoid that.
 """
@@ -36,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from pipelines.config import Config
 
-RUN_ID_FILE = "mlflow_run_id.txt"  # in the run folder: lets `dora resume` continue the same MLflow run
+RUN_ID_FILE = "mlflow_run_id.txt"  # in the run folder: the MLflow run of its latest start or resume
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_CHARS = 6000
 
@@ -263,15 +267,14 @@ class Tracker:
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self.experiment_id = self._experiment_id()
         previous = self._previous_run_id() if self.resume else None
-        if previous:
-            self.run_id = previous
-            self._client.update_run(previous, status="RUNNING")
-            self._log_params(resumed=True)
-        else:
-            run = self._client.create_run(self.experiment_id, run_name=default_run_name(self.cfg),
-                                          tags=run_tags(self.cfg))
-            self.run_id = run.info.run_id
-            self._log_params(resumed=False)
+        tags = run_tags(self.cfg) | ({"dora.resumed_from": previous} if previous else {})
+        run = self._client.create_run(self.experiment_id, run_name=default_run_name(self.cfg), tags=tags)
+        self.run_id = run.info.run_id
+        self._log_params()
+        if previous:  # the killed run holds metrics of updates the resume trains again: it is closed, not continued
+            self._client.set_tag(previous, "dora.superseded_by", self.run_id)
+            if self._client.get_run(previous).info.status == "RUNNING":  # its driver was killed
+                self._client.set_terminated(previous, "KILLED")
         self._remember_run_id()
 
     def _experiment_id(self) -> str:
@@ -288,20 +291,12 @@ class Tracker:
                 raise
             return found.experiment_id
 
-    def _log_params(self, resumed: bool) -> None:
-        from mlflow.entities import Param, RunTag
+    def _log_params(self) -> None:
+        from mlflow.entities import Param
 
-        params = {k: str(v)[:MAX_PARAM_CHARS] for k, v in self.cfg.flat().items()}
-        tags = []
-        if resumed:  # params are immutable in MLflow: keep the first values, record changed ones as tags
-            old = self._client.get_run(self.run_id).data.params
-            tags = [RunTag(f"resume_override.{k}", v) for k, v in params.items() if k in old and old[k] != v]
-            params = {k: v for k, v in params.items() if k not in old}
-        items = [Param(k, v) for k, v in params.items()]
+        items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in self.cfg.flat().items()]
         for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
             self._client.log_batch(self.run_id, params=items[i:i + MAX_PARAMS_PER_BATCH])
-        if tags:
-            self._client.log_batch(self.run_id, tags=tags)
 
     def _previous_run_id(self) -> str | None:
         path = Path(self.cfg.storage.run_dir) / RUN_ID_FILE

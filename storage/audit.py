@@ -321,7 +321,8 @@ def _text_lines(r: AuditReport) -> list[str]:
         f"  trajectories {c['trajectories']} ({c['consumed_tokens']} tokens), updates {c['updates']}",
         f"C1 one version per trajectory: {_clause_status(r, 'C1')}",
         f"C2 every group consumed once and whole: {_clause_status(r, 'C2')}{unchecked}",
-        f"   filtered groups: {r.filtered or 'none'}; reward errors: {r.reward_errors or 'none'}",
+        f"   filtered groups: {r.filtered or 'none'}",
+        _reward_failure_line(r),
         f"C3 staleness <= K: {_clause_status(r, 'C3')}{unchecked}; max staleness {r.max_staleness_seen}",
         "   staleness histogram (trajectories):",
     ]
@@ -334,6 +335,16 @@ def _text_lines(r: AuditReport) -> list[str]:
     lines += [f"  - {v.clause} {v.name}: {v.count} — {v.what}; e.g. {v.examples_are} {v.examples[:5]}"
               for v in r.violations]
     return lines
+
+
+def _reward_failure_line(r: AuditReport) -> str:
+    """Failed rewards count as 0 in training: a store full of them passes C1-C3 yet taught nothing."""
+    failed, total = sum(r.reward_errors.values()), r.counts.get("trajectories", 0)
+    if not failed:
+        return "reward failures: none"
+    share = f" ({failed / total:.0%} of trajectories{', EVERY reward failed' if failed == total else ''})" \
+        if total else ""
+    return f"reward failures: {failed}{share}; by error: {r.reward_errors}"
 
 
 def _histogram_lines(hist: dict[int, int], width: int = 40) -> list[str]:

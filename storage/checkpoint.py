@@ -28,7 +28,7 @@ STATE_FILE = "state.json"
 _CKPT_DIR = re.compile(r"^ckpt-(\d{6,})$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(ValueError):
     """No usable checkpoint where one was expected (the message names the path)."""
 
 

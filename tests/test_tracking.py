@@ -146,15 +146,18 @@ def test_tracker_with_the_default_local_sqlite_store(pngs, tmp_path):
     assert list((run_dir / "mlartifacts").rglob("learning.png")), "artifacts must live under the run folder"
     assert "mlflow ui --backend-store-uri" in tracker.ui_command() and str(run_dir) in tracker.ui_command()
 
-    resumed = make_cfg(tmp_path, "dora.num_updates=20")  # resume continues the same run, params stay immutable
+    resumed = make_cfg(tmp_path, "dora.num_updates=20")  # a resume is a new run that supersedes the killed one
     with Tracker(resumed, resume=True) as again:
         again.log_update(4, {"reward_mean": 0.4})
-    assert again.run_id == tracker.run_id and again.failures == 0
+    assert again.run_id != tracker.run_id and again.failures == 0
     from mlflow.tracking import MlflowClient
 
-    run = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(tracker.run_id)
-    assert run.data.tags["resume_override.dora.num_updates"] == "20"
-    assert run.data.params["dora.num_updates"] == str(cfg.dora.num_updates)
+    client = MlflowClient(tracking_uri=tracker.tracking_uri)
+    old, new = client.get_run(tracker.run_id), client.get_run(again.run_id)
+    assert old.data.tags["dora.superseded_by"] == again.run_id and old.info.status == "FINISHED"
+    assert new.data.tags["dora.resumed_from"] == tracker.run_id
+    assert new.data.params["dora.num_updates"] == "20"
+    assert (run_dir / "mlflow_run_id.txt").read_text().strip() == again.run_id
 
 
 @pytest.mark.parametrize("flush_s, batches", [(3600.0, 1), (0.0, 5)])

@@ -24,6 +24,7 @@ def test_an_update_that_reaches_the_trainer_early_waits_for_the_one_before(tmp_p
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, resources={"GPU": 1, "TRAINER": 1},
                       dashboard_address=None) as cluster, Client(cluster) as client:
         client.register_plugin(TrainerPlugin(store.root, TrainConfig()))
+        client.submit(steps.warm_up_trainer, 0, resources=TRAINER, pure=False).result(timeout=60)
         early = client.submit(steps.update, second, store.root, key=("update", 1), resources=TRAINER, pure=False)
         time.sleep(1.0)  # it reaches the trainer alone: version 1 does not exist yet, it goes back to the scheduler
         assert not early.done()

@@ -175,6 +175,20 @@ class DeepSpeedTrainEngine(TrainEngine):
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r}")
         self.version = int(client_state["version"])
 
+    def load_optimizer_state(self, directory: str) -> bool:
+        """The checkpoint's optimizer (and ZeRO partitions) under this engine's current weights. ZeRO-3 shards the
+        weights themselves, so there the optimizer stays fresh (False)."""
+        if self.cfg.zero_stage == 3:
+            return False
+        module, version = self.engine.module, self.version
+        weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.load_checkpoint(directory)
+        module.load_state_dict(weights)
+        if self.cfg.zero_stage in (1, 2):  # its fp32 partitions are the master weights: refill them from the module
+            self.engine.optimizer._restore_from_bit16_weights()
+        self.version = version
+        return True
+
     def close(self) -> None:
         """Release the engine's hooks and buffers; the process group stays up for the next engine."""
         self.engine.destroy()

@@ -77,5 +77,10 @@ class TorchTrainEngine(TrainEngine):
         state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location=self.device, weights_only=True)
         self.load_state_dict(state)
 
+    def load_optimizer_state(self, directory: str) -> bool:
+        state = torch.load(os.path.join(directory, CHECKPOINT_FILE), map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        return True
+
     def close(self) -> None:
         """Nothing to release (kept for symmetry with DeepSpeedTrainEngine)."""

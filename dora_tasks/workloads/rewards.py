@@ -7,27 +7,35 @@ countdown task's own reward. `score(fn, ...)` runs it with a timeout and returns
 
 Adapters: `math_verify_reward` (answers of math datasets, through the `math-verify` package) and
 `reasoning_gym_reward` (the scorer of a `reasoning-gym` task, imported lazily since the package is optional).
-`score_all(fn, calls, timeout_s)` scores many responses (a group) with one hand-over to a scoring thread.
+`score_all(fn, calls, timeout_s)` scores many responses (a group) with one hand-over to a scoring thread;
+`score_isolated` scores them the way `task.reward_isolation` says, and `score_parallel` (evaluation) in a few lanes.
 
-Simplified: the timeout runs the function in a daemon thread and stops waiting after `timeout_s`; Python cannot kill a
-thread, so a function stuck in pure Python keeps its thread (and one CPU) until it returns. A process per call would
-give hard timeouts at ~10 ms a call, too dear for the rewards of every trajectory; reward functions are expected to
-be cheap and a timeout to be rare. The calls of one `score_all` run one after the other in one thread (a fresh one
-after a timeout): in a process whose other threads are busy (a Dask worker's event loop), every hand-over between
-threads waits for the interpreter's switch interval (5 ms), which a thread per call paid for every response.
+Isolation: "thread" runs the function in a daemon thread and stops waiting after `timeout_s`; Python cannot kill a
+thread, so a function stuck in pure Python or in C keeps its thread (and maybe a CPU) until it returns, and nothing
+bounds its memory. "process" (`reward_pool`) runs the calls in reward processes that are killed past the timeout or
+their memory limit, at a higher cost per call (README, Rewards). The calls of one `score_all` run one after the other
+in one thread (a fresh one after a timeout): in a process whose other threads are busy (a Dask worker's event loop),
+every hand-over between threads waits for the interpreter's switch interval, which a thread per call paid for every
+response.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
-import math
-import numbers
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from dora_tasks.workloads import countdown
+from dora_tasks.workloads.reward_pool import TIMEOUT, shared_pool
+from dora_tasks.workloads.reward_worker import as_reward, describe
 
 RewardFn = Callable[[str, str, str], float]
+Call = tuple[str, str, str]
+ScoreAll = Callable[[RewardFn, Sequence[Call], float], list[tuple[float, str]]]
+ISOLATIONS = ("thread", "process")
+NOT_SCORED = "not scored: every scoring lane stopped after a timeout"
 
 
 class RewardError(ValueError):
@@ -73,7 +81,7 @@ def score_all(fn: RewardFn, calls: Sequence[tuple[str, str, str]], timeout_s: fl
                 results.append(done.get(timeout=timeout_s))
             except queue.Empty:  # this call hangs: its thread is left behind, the next calls get a new one
                 abandoned.set()
-                results.append((float("nan"), "timeout"))
+                results.append((float("nan"), TIMEOUT))
                 break
     return results
 
@@ -86,17 +94,58 @@ def _call_each(fn: RewardFn, calls: Sequence[tuple[str, str, str]], done: queue.
         try:
             outcome = as_reward(fn(prompt_text, response_text, answer))
         except BaseException as exc:  # noqa: BLE001 - anything the user's function raises is recorded
-            outcome = (float("nan"), f"{type(exc).__name__}: {exc}")
+            outcome = (float("nan"), describe(exc))
         done.put(outcome)
 
 
-def as_reward(value: object) -> tuple[float, str]:
-    """A finite real number (bools included) becomes a float reward; anything else is an error."""
-    if isinstance(value, numbers.Real):
-        reward = float(value)
-        if math.isfinite(reward):
-            return reward, ""
-    return float("nan"), f"non-number: {value!r}"[:200]
+@contextlib.contextmanager
+def scorer(isolation: str, memory_bytes: int) -> Iterator[ScoreAll]:
+    """A `score_all` for one caller at a time: the thread one, or a lane (process) of this process's reward pool."""
+    if isolation == "thread":
+        yield score_all
+    elif isolation == "process":
+        with shared_pool(memory_bytes).lane() as lane:
+            yield lane.score_all
+    else:
+        raise RewardError(f"reward isolation {isolation!r}: allowed {', '.join(ISOLATIONS)}")
+
+
+def score_isolated(fn: RewardFn, calls: Sequence[Call], timeout_s: float, isolation: str,
+                   memory_bytes: int) -> list[tuple[float, str]]:
+    """`score_all` in the given isolation ("thread" or "process"; `memory_bytes` limits a reward process)."""
+    with scorer(isolation, memory_bytes) as score_calls:
+        return score_calls(fn, calls, timeout_s)
+
+
+def score_parallel(fn: RewardFn, calls: Sequence[Call], timeout_s: float, isolation: str, memory_bytes: int,
+                   lanes: int) -> list[tuple[float, str]]:
+    """`score_isolated` of every call by `lanes` parallel scorers that take the calls one at a time from one queue.
+
+    A lane whose call timed out takes no more calls, and the calls left when every lane stopped are
+    `(nan, NOT_SCORED)`: a reward that hangs on every call then costs about one timeout in all (its lanes wait in
+    parallel), not one per call, and one that hangs on a few inputs costs a lane each while the others go on.
+    """
+    results = [(float("nan"), NOT_SCORED)] * len(calls)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(calls)):
+        todo.put(i)
+
+    def lane() -> None:
+        with scorer(isolation, memory_bytes) as score_calls:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                results[i] = score_calls(fn, [calls[i]], timeout_s)[0]
+                if results[i][1].startswith(TIMEOUT):
+                    return
+
+    n = max(1, min(lanes, len(calls)))
+    with ThreadPoolExecutor(n, thread_name_prefix="reward-lane") as pool:
+        for done in [pool.submit(lane) for _ in range(n)]:
+            done.result()
+    return results
 
 
 def math_verify_reward(prompt_text: str, response_text: str, answer: str) -> float:
