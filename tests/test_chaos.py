@@ -1,0 +1,168 @@
+"""Seeded chaos: SIGKILL one process of a running job by its PID (a rollout worker, the trainer, the CPU worker or the
+driver) at a random moment, `dora resume` where the driver died, and check what must hold whatever was killed: the
+store passes the audit, versions are contiguous, every dispatched prompt is trained exactly once, and MLflow holds
+each step of each metric once, equal to the store.
+
+The default suite runs two trials (the trainer, the driver); `pytest -m chaos` runs DORA_CHAOS_TRIALS (default 6)
+trials whose victim and moment come from the seed."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import SMALL_RUN
+from storage.audit import audit_store
+from storage.trajectory_store import TrajectoryStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VICTIMS = ("rollout", "trainer", "cpu", "driver")
+N, K, TBS, G = 8, 1, 4, 4
+RUN_TIMEOUT_S = 900
+KILL_WITHIN_S = 6.0  # the moment: this long at most after the first update is stored
+
+
+@dataclass
+class Trial:
+    seed: int
+    victim: str
+    delay_s: float
+    killed: bool = False
+    resumed: bool = False
+
+
+def dora(log_path, *args: str) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, text=True, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the run ended early:\n{open(log_path).read()[-4000:]}"
+        assert time.time() < deadline, f"timed out:\n{open(log_path).read()[-4000:]}"
+        time.sleep(0.1)
+
+
+def updates_stored(store_path: str) -> int:
+    try:
+        return TrajectoryStore.open(store_path).num_rows("updates")
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+
+
+def worker_pid(log_path, driver: subprocess.Popen, name_prefix: str) -> int:
+    """The PID of the embedded cluster's worker named `name_prefix...`, from the scheduler's identity (the dashboard
+    link the run printed) and the ports its child processes listen on."""
+    link = re.search(r"Dask dashboard (http://127\.0\.0\.1:\d+)", open(log_path).read()).group(1)
+    with urllib.request.urlopen(f"{link}/json/identity.json", timeout=10) as resp:
+        workers = json.load(resp)["workers"]
+    ports = {int(a.rsplit(":", 1)[1]) for a, w in workers.items() if str(w["name"]).startswith(name_prefix)}
+    for child in psutil.Process(driver.pid).children(recursive=True):
+        listening = {c.laddr.port for c in child.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        if listening & ports:
+            return child.pid
+    raise AssertionError(f"no process listens on the ports of {name_prefix} ({ports})")
+
+
+def run_trial(tmp_path, trial: Trial) -> Trial:
+    run_dir = tmp_path / f"run-{trial.seed}"
+    store = str(run_dir / "trajectories.zarr")
+    overrides = SMALL_RUN + [f"storage.run_dir={run_dir}", f"dora.max_staleness={K}", f"dora.num_updates={N}",
+                             f"dora.train_batch_size={TBS}", f"rollout.group_size={G}", "storage.checkpoint_interval=2",
+                             "task.eval_interval=4", f"dora.seed={trial.seed}"]
+    log_path = tmp_path / f"run-{trial.seed}.log"
+    proc = dora(log_path, "run", *overrides)
+    try:
+        wait_for(lambda: updates_stored(store) >= 1, proc, log_path)
+        time.sleep(trial.delay_s)
+        if proc.poll() is None:
+            pid = proc.pid if trial.victim == "driver" else worker_pid(log_path, proc, trial.victim)
+            os.kill(pid, signal.SIGKILL)
+            trial.killed = True
+        proc.wait(RUN_TIMEOUT_S)
+    finally:
+        kill_group(proc)
+    if trial.victim != "driver" or not trial.killed:
+        assert proc.returncode == 0, open(log_path).read()[-4000:]
+    else:
+        trial.resumed = True
+        resumed = dora(tmp_path / f"resume-{trial.seed}.log", "resume", str(run_dir))
+        try:
+            resumed.wait(RUN_TIMEOUT_S)
+        finally:
+            kill_group(resumed)
+        assert resumed.returncode == 0, open(tmp_path / f"resume-{trial.seed}.log").read()[-4000:]
+    check_whole(run_dir, store)
+    return trial
+
+
+def check_whole(run_dir, store_path: str) -> None:
+    report = audit_store(store_path, K)
+    assert report.ok, report.to_text()
+    store = TrajectoryStore.open(store_path)
+    updates = store.read_table("updates")
+    assert updates["update"].tolist() == list(range(N))
+    assert updates["published_version"].tolist() == list(range(1, N + 1))
+    t = store.read_table("trajectories")
+    keys = list(zip(t["group_id"].tolist(), t["sample_idx"].tolist()))
+    assert len(keys) == len(set(keys)) == N * TBS * G
+    assert sorted(set(t["group_id"].tolist())) == list(range(N * TBS))
+    check_mlflow(run_dir, updates)
+
+
+def check_mlflow(run_dir, updates: dict) -> None:
+    """Each metric of the MLflow run holds steps 0..N-1 once, with the values the store holds."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    for name in ("reward_mean", "loss", "tokens", "trainer_restarts"):
+        history = client.get_metric_history(run_id, name)
+        steps = sorted(m.step for m in history)
+        assert steps == list(range(N)), (name, steps)
+        logged = {m.step: m.value for m in history}
+        np.testing.assert_allclose([logged[u] for u in range(N)], updates[f"metrics/{name}"], rtol=1e-6)
+    accuracy_steps = sorted(m.step for m in client.get_metric_history(run_id, "accuracy"))
+    assert accuracy_steps == [0, 4, 8], accuracy_steps  # version 0, every 4 updates, the last
+
+
+def trial_of(seed: int, victim: str | None = None) -> Trial:
+    rng = random.Random(seed)
+    chosen = rng.choice(VICTIMS)
+    return Trial(seed, victim or chosen, rng.uniform(0.0, KILL_WITHIN_S))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["trainer", "driver"])
+def test_a_killed_trainer_or_driver_leaves_a_whole_run(tmp_path, victim):
+    trial = run_trial(tmp_path, trial_of(seed=1, victim=victim))
+    assert trial.killed
+
+
+@pytest.mark.chaos
+def test_chaos_trials(tmp_path):
+    trials = [run_trial(tmp_path, trial_of(seed)) for seed in range(int(os.environ.get("DORA_CHAOS_TRIALS", "6")))]
+    print("\nchaos trials: " + "; ".join(f"seed {t.seed} {t.victim} at +{t.delay_s:.1f}s "
+                                         f"{'killed' if t.killed else 'finished first'}"
+                                         f"{', resumed' if t.resumed else ''}" for t in trials))
+    assert sum(t.killed for t in trials) >= len(trials) // 2
