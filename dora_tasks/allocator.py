@@ -3,9 +3,8 @@
 A Dask nanny starts its worker with ``MALLOC_TRIM_THRESHOLD_=65536`` (`distributed.nanny.pre-spawn-environ`, there so
 that memory freed by pandas-style tasks goes back to the OS). Setting any malloc threshold also turns off glibc's
 dynamic mmap threshold, so every allocation above 128 KiB becomes an mmap of fresh zeroed pages and a munmap on free:
-a PyTorch forward and backward allocates and frees such buffers hundreds of times. Measured on the benchmark policies
-(one thread): a train step of 64 trajectories 124 ms under the nanny's setting against 52 ms with the thresholds
-below, a decode step of 128 rows 6.7 ms against 4.1 ms.
+a PyTorch forward and backward allocates and frees such buffers hundreds of times, so train and decode steps slow
+down markedly under the nanny's setting (figures: docs/benchmark.md).
 
 `relax_malloc_trimming()` raises both thresholds at run time (`mallopt`), whatever the worker was started with: an
 allocation stays on the heap up to MMAP_THRESHOLD, and the heap is trimmed only when TRIM_THRESHOLD is free at its

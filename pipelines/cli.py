@@ -138,7 +138,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from storage.audit import main as audit_main
 
     argv = [args.store] + (["--max-staleness", str(args.max_staleness)] if args.max_staleness is not None else [])
-    return int(audit_main(argv + (["--json"] if args.json else [])))
+    return int(audit_main(argv + (["--json"] if args.json else []), prog="dora audit", speaker="dora"))
 
 
 def cmd_plots(args: argparse.Namespace) -> int:

@@ -33,8 +33,8 @@ log = logging.getLogger("dora")
 
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
-# Nanny and worker and the 0.5 s system monitors took ~20% of the driver process's CPU in a K=3 run (py-spy), CPU the
-# engines need. Memory limits still hold (checked every 0.5 s); the dashboard's profile page stays empty.
+# Nanny and worker and the 0.5 s system monitors take CPU the engines need, so they run rarely or not at all.
+# Memory limits still hold (checked every 0.5 s); the dashboard's profile page stays empty.
 # On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
 EMBEDDED_DASK_CONFIG = {
     "distributed.worker.profile.enabled": False,

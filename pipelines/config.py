@@ -51,7 +51,7 @@ class ModelConfig:
     num_heads: int = 4
     warmstart_steps: int = 120  # supervised steps on the task's demonstrations before RL: partly right, not solved
     warmstart_lr: float = 3e-3
-    warmstart_batch: int = 32  # (300 x 64 solved the task: greedy accuracy 1.0 left RL nothing to improve)
+    warmstart_batch: int = 32  # demonstrations per warm-start step; small, so the warm start leaves RL room to improve
     dtype: str = "float32"
 
     def validate(self) -> None:
@@ -140,16 +140,16 @@ class TrainConfig:
     advantage: str = "grpo"  # estimator name in the dora_tasks.algorithms registry (checked at load; custom ones
     #                          must be registered, i.e. their module imported, before the config is loaded)
     loss: str = "ppo_clip"  # policy-loss name in the dora_tasks.algorithms registry (checked at load likewise)
-    lr: float = 3e-4  # Adam step size. 1e-3 collapsed the tiny CPU policies within ~5-10 updates (to "first token,
-    #                   then eos"), 1e-4 left them unchanged over 60; a pretrained LLM wants ~1e-6 (gpu_qwen_math.yaml)
+    lr: float = 3e-4  # Adam step size, for the tiny CPU policies: larger steps collapse them, smaller ones leave
+    #                   them unchanged (docs/benchmark.md, "Learning rate"); a pretrained LLM wants ~1e-6
+    #                   (gpu_qwen_math.yaml)
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
     kl_coef: float = 0.0  # KL to the initial policy; 0 disables the reference model
     micro_batch: int = 32  # at most this many trajectories per forward/backward
     micro_batch_call_tokens: int = 256  # what one more forward/backward costs, in padded tokens: rows sorted by length
-    #   are cut into micro-batches where padding would cost more (200-400 was best for the 64- and 128-wide CPU
-    #   policies on a long-tailed batch, docs/benchmark.md; measure it on a GPU, where a call is cheap against
-    #   padded tokens of a large model); 0 cuts wherever it saves any padding
+    #   are cut into micro-batches where padding would cost more (the default suits the small CPU policies; measure
+    #   it on a GPU, where a call is cheap against padded tokens of a large model); 0 cuts wherever it saves any padding
     max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
     loss_norm_len: int = 0  # divisor of seq_mean_token_sum_norm; 0 = longest response of the batch
@@ -268,7 +268,7 @@ class TrackingConfig:
     live_view: bool = True
     plots: bool = True
     metrics_flush_s: float = 5.0  # per-update metrics go to MLflow in one batch at most this often (and at the
-    #                               end): one sqlite write per update cost ~0.1 core at 5 updates/s; 0 = every update
+    #                               end), since a sqlite write per update costs the driver CPU; 0 = every update
 
     def validate(self) -> None:
         _require(self.metrics_flush_s >= 0, "tracking.metrics_flush_s", f"must be >= 0, got {self.metrics_flush_s}")

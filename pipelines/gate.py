@@ -15,8 +15,8 @@ Rules, with `u` the next update (it starts from policy version `u` and publishes
     answers until the window forces the long ones in);
   - ``"dispatch"``: the oldest unconsumed groups (by version, then group id, i.e. dispatch order), waiting until
     they are complete. Every batch holds the groups a synchronous run would have trained in that position, so its
-    mix of response lengths is the workload's, not the fast ones'. On the long-tail benchmark at K=3 it gave
-    1.44x K=0 against 1.58x in completion order (one side-by-side pass, run-to-run noise ~0.1x), same accuracy.
+    mix of response lengths is the workload's, not the fast ones'; the price is throughput, since an update waits
+    for the slowest of its oldest groups (figures: docs/benchmark.md).
 * A group of version `v` must be consumed by update ``v + K`` at the latest (its deadline). Filling a batch with newer
   complete groups while older ones are still running can leave more old groups than later updates can take, so an
   update also waits while its batch would break the schedule's feasibility:

@@ -16,18 +16,18 @@ them). The orchestrator decides, from events (instances joining and leaving, ver
 
 Every decision is logged (``self.log``) with the state it was taken in.
 
-Free slots are filled instance by instance (in address order), so one publish's new groups pack one engine's batch.
-Spreading them over the least busy instances was measured slower on the 2-core machine (sync step 0.65 s against
-0.36 s, DORA K=3 1.10x against 1.40-1.58x K=0): two engines then contend for the cores with half-full batches.
-With an engine per device, spreading is the better choice (pick the least busy instance in `decide`).
+Free slots are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
+where engines share cores, spreading them over the least busy instances makes two engines contend for the cores
+with half-full batches. With an engine per device, spreading is the better choice (pick the least busy instance in
+`decide`).
 
 Queued switching (``rollout.queue_while_draining``, off by default): an instance draining an older version, with no
 restarted work of that version waiting, is retargeted to the newest version at once, so new groups queue on it and
 start the moment its older groups end, without a round trip to the driver (the rollout server still swaps weights
-only once the older groups have ended: C1 holds). An instance then holds groups of at most two versions. Measured
-on the 2-core machine (docs/benchmark.md): the rollout bubble falls from 14-20% to 7-10%, but throughput falls by
-about 5% (it ran 15% more scoring tasks, on a pipeline that is CPU-bound there); with engines on their own devices
-the orchestration does not compete with generation.
+only once the older groups have ended: C1 holds). An instance then holds groups of at most two versions. It removes
+the idle gap of each version switch, but groups end more spread out, so more scoring tasks run: off by default
+because that orchestration competes with generation where they share cores, the better setting where engines have
+their own devices (figures: docs/benchmark.md).
 
 Simplified from the paper: requests are not migrated between instances of the same version (a group is one Dask
 task; moving it would restart it). Without queued switching an instance draining an old version therefore idles its

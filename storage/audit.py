@@ -107,8 +107,9 @@ def audit_store(path: Any, max_staleness: int | None = None) -> AuditReport:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m storage.audit", description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m storage.audit", speaker: str = "storage.audit"
+         ) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("store", help="trajectory store path or fsspec URL")
     parser.add_argument("--max-staleness", type=int, default=None, help="K (default: the store's meta)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = audit_store(args.store, args.max_staleness)
     except (StoreError, AuditInputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{speaker}: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=1, default=str) if args.json else report.to_text())
     return 0 if report.ok else 1

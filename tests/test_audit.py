@@ -162,7 +162,7 @@ def test_max_concurrent_versions():
 def test_unusable_store_exits_2_with_a_one_line_error(tmp_path, clean, capsys):
     assert main([str(tmp_path / "missing.zarr")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no trajectory store at") and err.count("\n") == 1
+    assert err.startswith("storage.audit: error: no trajectory store at") and err.count("\n") == 1
     bad = tmp_path / "bad.zarr"
     shutil.copytree(clean[0], bad)
     zarr.open_group(bad, mode="r+").attrs["schema_version"] = 7

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -74,14 +75,25 @@ def worker_pid(log_path, driver: subprocess.Popen, name_prefix: str) -> int:
     """The PID of the embedded cluster's worker named `name_prefix...`, from the scheduler's identity (the dashboard
     link the run printed) and the ports its child processes listen on."""
     link = re.search(r"Dask dashboard (http://127\.0\.0\.1:\d+)", open(log_path).read()).group(1)
-    with urllib.request.urlopen(f"{link}/json/identity.json", timeout=10) as resp:
-        workers = json.load(resp)["workers"]
+    workers = scheduler_identity(link)["workers"]
     ports = {int(a.rsplit(":", 1)[1]) for a, w in workers.items() if str(w["name"]).startswith(name_prefix)}
     for child in psutil.Process(driver.pid).children(recursive=True):
         listening = {c.laddr.port for c in child.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
         if listening & ports:
             return child.pid
     raise AssertionError(f"no process listens on the ports of {name_prefix} ({ports})")
+
+
+def scheduler_identity(link: str, tries: int = 20) -> dict:
+    """The scheduler's identity through its dashboard (which answers 500 now and then while workers change)."""
+    for _ in range(tries - 1):
+        try:
+            with urllib.request.urlopen(f"{link}/json/identity.json", timeout=10) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError:
+            time.sleep(0.2)
+    with urllib.request.urlopen(f"{link}/json/identity.json", timeout=10) as resp:
+        return json.load(resp)
 
 
 def run_trial(tmp_path, trial: Trial) -> Trial:

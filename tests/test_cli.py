@@ -37,6 +37,8 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     (["resume", "no/such/run"], "no/such/run"),
     (["resume", ".", "oops"], "oops"),
     (["audit", "no/such/store.zarr"], "no/such/store.zarr"),
+    (["audit", "tests"], "no root zarr.json"),  # a folder that is not a store
+    (["run", "task.reward_fn=no_such_module.fn"], "no_such_module"),  # checked before any cluster starts
     (["plots", "no/such/run"], "no/such/run"),
     (["run", "--bogus"], "--bogus"),
     (["frobnicate"], "frobnicate"),
@@ -174,7 +176,7 @@ def test_warmstart_and_audit_arguments(capsys, monkeypatch, tmp_path):
     seen = {}
     fake_module(monkeypatch, "dora_tasks.warmstart", warm_start=lambda cfg, out: seen.setdefault("out", out))
     fake_module(monkeypatch, "pipelines.driver", initial_policy=lambda cfg: seen.setdefault("cached", "/cache/x"))
-    fake_module(monkeypatch, "storage.audit", main=lambda argv: seen.setdefault("argv", argv) and 1)
+    fake_module(monkeypatch, "storage.audit", main=lambda argv, **_: seen.setdefault("argv", argv) and 1)
     code, out, _ = run_main(capsys, "warmstart", "--out", str(tmp_path / "ws"))
     assert code == 0 and seen["out"] == str(tmp_path / "ws") and f"model.path={tmp_path / 'ws'}" in out
     code, out, _ = run_main(capsys, "warmstart", "model.warmstart_steps=10")

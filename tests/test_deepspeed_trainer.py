@@ -69,6 +69,44 @@ def torch_reference(tiny_model, batches):
     return metrics, logprobs(engine.model, batches[0])
 
 
+@pytest.fixture(scope="module")
+def restart_batches(tiny_model, batches):
+    return (*batches, make_batch(tiny_model, seed=3, update=2), make_batch(tiny_model, seed=4, update=3))
+
+
+def train_until_restart(engine, batches, tmp_path, at_checkpoint=lambda: None):
+    """Two steps, a checkpoint (version 2), one more step published as version 3."""
+    for batch in batches[:2]:
+        engine.train_step(batch)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    checkpointed = at_checkpoint()
+    engine.train_step(batches[2])
+    engine.save_weights(str(tmp_path / "v3"))
+    return checkpointed
+
+
+@pytest.fixture(scope="module")
+def restart_reference(tiny_model, restart_batches, tmp_path_factory):
+    """The torch engine restarted on version 3 with the version-2 checkpoint's optimizer state, after one step: the
+    metrics and log-probs a restarted DeepSpeed engine must reproduce."""
+    tmp_path = tmp_path_factory.mktemp("torch_restart")
+    train_until_restart(TorchTrainEngine(tiny_model, ds_config(0)), restart_batches, tmp_path)
+    engine = TorchTrainEngine(str(tmp_path / "v3"), ds_config(0), version=3)
+    assert engine.load_optimizer_state(str(tmp_path / "ckpt"))
+    metrics = engine.train_step(restart_batches[3])
+    return metrics, logprobs(engine.model, restart_batches[3])
+
+
+def adam_state(engine) -> list[dict[str, torch.Tensor]]:
+    """The torch AdamW's state per parameter it steps (ZeRO: the flat fp32 partitions; stage 0: the module's)."""
+    optimizer = engine.engine.optimizer
+    base = getattr(optimizer, "optimizer", optimizer)
+    master = (getattr(optimizer, "fp32_partitioned_groups_flat", None)
+              or getattr(optimizer, "single_partition_of_fp32_groups", None)
+              or [p for group in base.param_groups for p in group["params"]])
+    return [{k: v.clone() for k, v in base.state[p].items()} for p in master]
+
+
 def logprobs(model, batch) -> torch.Tensor:
     tensors = batch_tensors(batch)
     with torch.no_grad():
@@ -130,3 +168,47 @@ def test_checkpoint_round_trip_reproduces_the_next_step(stage, distributed, tiny
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-9)
     for name, value in load_folder(tmp_path / "original").state_dict().items():
         torch.testing.assert_close(load_folder(tmp_path / "restored").state_dict()[name], value, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage, sharded", [(0, False), (1, False), (2, False), (3, False), (3, True)],
+                         ids=["zero0", "zero1", "zero2", "zero3", "zero3-sharded"])
+def test_load_optimizer_state_keeps_the_published_weights_and_matches_torch(stage, sharded, distributed, tiny_model,
+                                                                           restart_batches, restart_reference,
+                                                                           tmp_path, monkeypatch):
+    if sharded:  # the tiny model's parameters are all under ZeRO-3's persistence threshold: shard them as a big one's
+        from dora_tasks.engines import deepspeed_trainer
+
+        original_config = deepspeed_trainer.deepspeed_config
+
+        def sharded_config(cfg) -> dict:
+            config = original_config(cfg)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            return config
+
+        monkeypatch.setattr(deepspeed_trainer, "deepspeed_config", sharded_config)
+    original = make_train_engine(tiny_model, ds_config(stage))
+    try:
+        saved = train_until_restart(original, restart_batches, tmp_path, at_checkpoint=lambda: adam_state(original))
+    finally:
+        original.close()
+    restarted = make_train_engine(str(tmp_path / "v3"), ds_config(stage), version=3)
+    try:
+        assert restarted.load_optimizer_state(str(tmp_path / "ckpt")) is True
+        assert restarted.version == 3
+        restarted.save_weights(str(tmp_path / "loaded"))
+        state = adam_state(restarted)
+        metrics = restarted.train_step(restart_batches[3])
+        restarted.save_weights(str(tmp_path / "v4"))
+    finally:
+        restarted.close()
+    published = load_folder(tmp_path / "v3").state_dict()
+    assert all(torch.equal(v, load_folder(tmp_path / "loaded").state_dict()[k]) for k, v in published.items())
+    assert len(state) == len(saved) > 0
+    for got, expected in zip(state, saved):
+        assert got.keys() == expected.keys() == {"step", "exp_avg", "exp_avg_sq"} and float(got["step"]) == 2.0
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    expected_metrics, expected_logp = restart_reference
+    for key in ("loss", "clip_fraction", "approx_kl", "entropy", "grad_norm"):
+        assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(logprobs(load_folder(tmp_path / "v4"), restart_batches[3]), expected_logp,
+                               rtol=1e-4, atol=1e-5)

@@ -224,6 +224,41 @@ def test_checkpoint_round_trip_reproduces_the_next_step(tiny_model, tmp_path):
         assert torch.equal(v, params(restored.model)[k]), k
 
 
+def test_load_optimizer_state_keeps_the_published_weights_and_version(tiny_model, tmp_path):
+    """A trainer restarted on a later published version takes only the optimizer state of an earlier checkpoint."""
+    from dora_tasks.engines.torch_trainer import CHECKPOINT_FILE
+
+    batches = [make_batch(tiny_model, seed=s, update=s) for s in range(4)]
+    cfg = TrainConfig(lr=1e-2, micro_batch=4)
+    original = TorchTrainEngine(tiny_model, cfg)
+    for batch in batches[:2]:
+        original.train_step(batch)
+    original.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = torch.load(tmp_path / "ckpt" / CHECKPOINT_FILE, weights_only=True)["optimizer"]
+    original.train_step(batches[2])
+    original.save_weights(str(tmp_path / "v3"))
+    published = params(original.model)
+
+    restarted = TorchTrainEngine(str(tmp_path / "v3"), cfg, version=3)
+    assert restarted.load_optimizer_state(str(tmp_path / "ckpt")) is True
+    assert restarted.version == 3
+    assert all(torch.equal(v, params(restarted.model)[k]) for k, v in published.items())
+    state = restarted.optimizer.state_dict()["state"]
+    assert state.keys() == saved["state"].keys() and len(state) == len(published)
+    for index, expected in saved["state"].items():
+        assert float(expected["step"]) == 2.0
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[index][key], expected[key]), (index, key)
+
+    reference = TorchTrainEngine(str(tmp_path / "v3"), cfg, version=3)  # the optimizer state loaded by hand
+    reference.optimizer.load_state_dict(saved)
+    expected, got = reference.train_step(batches[3]), restarted.train_step(batches[3])
+    assert restarted.version == 4
+    assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in expected.items() if k != "seconds"}
+    for k, v in params(reference.model).items():
+        assert torch.equal(v, params(restarted.model)[k]), k
+
+
 @pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo", "tis"])
 def test_positive_advantage_raises_that_responses_logprob(tiny_model, loss):
     advantages = {(0, i): 0.0 for i in range(4)} | {(0, 2): 1.0}

@@ -158,7 +158,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             write_hf_folder(self.engine.module, path, self.model_path, state_dict=state)
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """ZeRO-3 keeps only a shard of each parameter on a rank: gather full copies for writing."""
+        """Full copies of the weights (ZeRO-3 keeps only a shard of each parameter on a rank: gather them)."""
         module = self.engine.module
         with self._deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -176,15 +176,13 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.version = int(client_state["version"])
 
     def load_optimizer_state(self, directory: str) -> bool:
-        """The checkpoint's optimizer (and ZeRO partitions) under this engine's current weights. ZeRO-3 shards the
-        weights themselves, so there the optimizer stays fresh (False)."""
-        if self.cfg.zero_stage == 3:
-            return False
-        module, version = self.engine.module, self.version
-        weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        self.load_checkpoint(directory)
-        module.load_state_dict(weights)
-        if self.cfg.zero_stage in (1, 2):  # its fp32 partitions are the master weights: refill them from the module
+        """The checkpoint's optimizer state (and ZeRO partitions) under this engine's current weights and version."""
+        weights, version = self._gathered_state_dict(), self.version
+        self.load_checkpoint(directory)  # loads the checkpoint's weights too: put ours back
+        module = self.engine.module
+        with self._deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):  # no-op below ZeRO-3
+            module.load_state_dict(weights)
+        if self.cfg.zero_stage > 0:  # the optimizer steps ZeRO's fp32 partitions (master weights): refill them
             self.engine.optimizer._restore_from_bit16_weights()
         self.version = version
         return True

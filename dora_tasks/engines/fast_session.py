@@ -16,8 +16,7 @@ serves one version; the rollout server opens a new one after every load, `Decode
 - rows that end during a `decode` call stop being fed at once and leave the buffers at its end (one compaction per
   call instead of one per ended row).
 
-Measured on the benchmark policy (64 wide, 2 layers, one thread): a decode step at 128 rows 2.1 ms against 6.0 ms
-for the transformers forward with its dynamic cache (`benchmarks/decode_step.py`).
+What a step gains over the transformers forward: `benchmarks/decode_step.py`, figures in docs/benchmark.md.
 
 Supported models (`supports`): the Llama layout of transformers (`model_type` qwen2 or llama, every layer full
 attention, no per-head q/k norms); anything else is served by `DecodeSession`.
