@@ -155,8 +155,8 @@ class Clusters:
     def get(self, shape: list[str]):
         from distributed import Client
 
+        from dora_tasks.core.config import load_config
         from pipelines.cluster import embedded_cluster
-        from pipelines.config import load_config
 
         if shape != self.shape:
             self.close()
@@ -184,7 +184,7 @@ def run_mode(name: str, overrides: list[str], base: list[str], args, address: st
              repeat: int = 0) -> dict:
     from distributed import get_task_stream
 
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
 
@@ -560,8 +560,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from pipelines.config import load_config
-    from pipelines.driver import initial_policy
+    from dora_tasks.core.config import load_config
+    from pipelines.run import initial_policy
 
     t_start = time.time()
     updates = args.updates or (4 if args.quick else None)

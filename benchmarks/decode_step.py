@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from dora_tasks.core.config import ModelConfig  # noqa: E402
 from dora_tasks.engines.fast_session import FastDecodeSession  # noqa: E402
 from dora_tasks.engines.hf_session import DecodeSession  # noqa: E402
 from dora_tasks.model import CharTokenizer, build_model  # noqa: E402
-from pipelines.config import ModelConfig  # noqa: E402
 
 CHUNK = 16
 

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from pipelines.config import ModelConfig, RolloutConfig, load_config  # noqa: E402
+from dora_tasks.core.config import ModelConfig, RolloutConfig, load_config  # noqa: E402
 
 PARETO_SHAPE, PARETO_SCALE = 1.1, 8  # classical Pareto: median 8 * 2 ** (1 / 1.1) ~ 15 tokens
 
@@ -139,7 +139,7 @@ def hf_fixed_lengths(engine, prompts, n: int, lengths: np.ndarray, seed: int) ->
     """HFRolloutEngine's model and generation config over padded batches, each row exactly its length."""
     from transformers import LogitsProcessorList
 
-    from dora_tasks.engines.hf_rollout import left_pad
+    from dora_tasks.engines.decoding import left_pad
     from dora_tasks.model import EOS_ID
 
     rows = [p for p in prompts for _ in range(n)]

@@ -20,10 +20,8 @@ Prints the median and mean of each hop over the steady updates (the first 2 left
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,43 +43,20 @@ class DriverClock:
         self.scored: dict[int, float] = {}
         self.updates: dict[int, tuple[float, list[int]]] = {}  # update -> (submitted, its groups)
 
-    @contextlib.contextmanager
-    def watching(self):
-        """Wrap the Driver's steps for the duration (restored after)."""
-        from pipelines.driver import Driver
+    def observe(self, event) -> None:
+        """A driver observer (`Driver.subscribe`): the first time each group passes each hop."""
+        from pipelines.events import GroupRolledOut, GroupsScored, ScoringSubmitted, UpdateSubmitted
 
-        originals = {name: getattr(Driver, name) for name in ("on_rolled_out", "submit_scoring", "on_scored",
-                                                              "submit_update")}
-        clock = self
-
-        def on_rolled_out(driver, gid):
-            clock.rolled.setdefault(gid, time.time())
-            return originals["on_rolled_out"](driver, gid)
-
-        def submit_scoring(driver):
-            now = time.time()
-            for gid in driver.unscored:
-                clock.scoring_submitted.setdefault(gid, now)
-            return originals["submit_scoring"](driver)
-
-        def on_scored(driver, future):
-            now = time.time()
-            for gid in driver.scoring.get(future.key, []):
-                clock.scored.setdefault(gid, now)
-            return originals["on_scored"](driver, future)
-
-        def submit_update(driver, decision):
-            clock.updates[decision.update] = (time.time(), list(decision.group_ids))
-            return originals["submit_update"](driver, decision)
-
-        for name, wrapped in (("on_rolled_out", on_rolled_out), ("submit_scoring", submit_scoring),
-                              ("on_scored", on_scored), ("submit_update", submit_update)):
-            setattr(Driver, name, wrapped)
-        try:
-            yield self
-        finally:
-            for name, original in originals.items():
-                setattr(Driver, name, original)
+        if isinstance(event, GroupRolledOut):
+            self.rolled.setdefault(event.group_id, event.at)
+        elif isinstance(event, ScoringSubmitted):
+            for gid in event.group_ids:
+                self.scoring_submitted.setdefault(gid, event.at)
+        elif isinstance(event, GroupsScored):
+            for gid in event.group_ids:
+                self.scored.setdefault(gid, event.at)
+        elif isinstance(event, UpdateSubmitted):
+            self.updates[event.update] = (event.at, list(event.group_ids))
 
 
 def batch_hops(clock: DriverClock, rollout_end: dict[int, float], update_start: dict[int, float],
@@ -116,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args = one_run.parser(__doc__.split("\n")[0], "runs/handover_hops").parse_args(argv)
     cfg = one_run.config(args)
     clock = DriverClock()
-    with clock.watching(), open_run(cfg) as run:
-        stream(run.driver, run)
+    with open_run(cfg) as run:
+        run.driver.subscribe(clock.observe)
+        stream(run.driver)
         summary = run.finish()
     store = TrajectoryStore.open(summary.store)
     t = store.read_table("trajectories", ["group_id", "end_time"])

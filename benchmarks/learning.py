@@ -49,7 +49,7 @@ MODES = [("K=0", 0, 0), ("K=1", 1, 0), ("K=3", 3, 0), ("K=0 seed 1", 0, 1)]  # (
 
 
 def run_mode(config: str, overrides: list[str], K: int, seed: int, work: str, label: str) -> dict:
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
     from pipelines.streaming import run_pipeline
     from storage.trajectory_store import TrajectoryStore
 
@@ -149,8 +149,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides (after LEARNING)")
     args = parser.parse_args()
 
+    from dora_tasks.core.config import load_config
     from dora_tasks.warmstart import warm_start
-    from pipelines.config import load_config
 
     overrides = LEARNING + [f"dora.num_updates={args.updates}"] + args.overrides
     os.makedirs(args.work, exist_ok=True)

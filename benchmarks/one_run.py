@@ -17,7 +17,7 @@ def parser(description: str, run_dir: str) -> argparse.ArgumentParser:
 
 def config(args: argparse.Namespace):
     """The run's config (live view and plots off); its run folder is removed first."""
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
     return load_config(args.config, [f"dora.max_staleness={args.staleness}", f"storage.run_dir={args.run_dir}",

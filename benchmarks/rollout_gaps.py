@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         turns.append((time.time(), driver.gate.capacity(), len(inst.running), inst.version, driver.orchestrator.newest))
 
     with open_run(cfg) as run:
-        stream(run.driver, run, record)
+        stream(run.driver, record)
         spans = next(s for s in run.driver.client.run(_busy_spans).values() if s)
         start, end = run.driver.timeline.steady_window()
         summary = run.finish()

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dora_tasks.records import Group  # noqa: E402
+from dora_tasks.core.records import Group  # noqa: E402
 from storage.audit import audit_store  # noqa: E402
 from storage.synthetic import make_group  # noqa: E402
 from storage.trajectory_store import TrajectoryStore  # noqa: E402

@@ -37,7 +37,7 @@ PROMPT_TOKENS, RESPONSE_TOKENS = 15, 5
 
 
 def empty_rollout(group_id: int, group_size: int):
-    from dora_tasks.records import Group, Prompt, Trajectory
+    from dora_tasks.core.records import Group, Prompt, Trajectory
 
     prompt = np.arange(PROMPT_TOKENS, dtype=np.int32)
     trajectories = [Trajectory(group_id, i, prompt, np.arange(RESPONSE_TOKENS, dtype=np.int32),
@@ -72,7 +72,7 @@ def empty_advantages(groups: list) -> list:
 
 
 def empty_gate(update: int, *groups):
-    from dora_tasks.records import TrainBatch
+    from dora_tasks.core.records import TrainBatch
 
     return TrainBatch(update, list(groups), 3)
 
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = parser.parse_args()
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}

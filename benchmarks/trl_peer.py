@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/trl_run")
     parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = parser.parse_args(argv)
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
 
     cfg = load_config(args.config, list(args.overrides) + [f"model.path={args.model}"])
     row = run_trl(args.model, cfg, updates=args.updates, eval_every=args.eval_every, out_dir=args.out,

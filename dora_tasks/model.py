@@ -19,7 +19,7 @@ import threading
 import torch
 import transformers
 
-from pipelines.config import ModelConfig
+from dora_tasks.core.config import ModelConfig
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = 3

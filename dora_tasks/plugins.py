@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from distributed import WorkerPlugin, get_worker
 
 from dora_tasks.allocator import relax_malloc_trimming
-from pipelines.config import RolloutConfig, TrainConfig
+from dora_tasks.core.config import RolloutConfig, TrainConfig
 
 ROLLOUT_PLUGIN = "dora-rollout"
 TRAINER_PLUGIN = "dora-trainer"

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dora_tasks.contracts import RolloutEngine
-from dora_tasks.records import Generation
+from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.records import Generation
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and
 pure code.
 
-Each takes and returns typed records (`dora_tasks.records`); the driver submits them with tuple keys, e.g.
+Each takes and returns typed records (`dora_tasks.core.records`); the driver submits them with tuple keys, e.g.
 ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers. A rollout task is one
 group; a reward task and its advantage task take every group one instance finished in one turn of the driver, so
 that groups which end in the same decode step cost two tasks together, not two each.
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from distributed import get_worker
 
-from dora_tasks.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
+from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
                                UpdateResult)
 
 

@@ -26,14 +26,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from dora_tasks.contracts import RolloutEngine
+from dora_tasks.core.config import Config, RolloutConfig, TaskConfig
+from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.records import Prompt
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_policy
-from dora_tasks.records import Prompt
 from dora_tasks.workloads import countdown
 from dora_tasks.workloads.datasets import load_prompts
 from dora_tasks.workloads.rewards import score_parallel
-from pipelines.config import Config, RolloutConfig, TaskConfig
 
 SETTINGS_FILE = "warmstart.json"
 CHUNK_TOKENS = 2048  # padded tokens per forward pass inside a step

@@ -69,9 +69,13 @@ def is_input_error(exc: BaseException) -> bool:
 
 
 def load(args: argparse.Namespace):
-    from pipelines.config import load_config
+    """The configuration of `--config` and the overrides, its algorithm names checked against the registry."""
+    from dora_tasks.algorithms import check_config_names
+    from dora_tasks.core.config import load_config
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check_config_names(cfg.train)
+    return cfg
 
 
 def existing_dir(path: str, what: str) -> str:
@@ -114,7 +118,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
         path = warm_start(cfg, args.out)
     else:  # the cache folder `dora run` itself uses, so this pre-warms the next run
-        from pipelines.driver import initial_policy
+        from pipelines.run import initial_policy
 
         path = initial_policy(cfg)
     print(f"warm-started policy: {path}\nuse it with: model.path={path}")
@@ -123,7 +127,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = existing_dir(args.run_dir, "run folder")
-    from pipelines.config import apply_overrides
+    from dora_tasks.core.config import apply_overrides
 
     apply_overrides({}, list(args.overrides))  # malformed overrides fail here, before anything starts
     from pipelines.streaming import resume_pipeline
@@ -168,7 +172,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------- parser
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG,
-                   help="YAML file overriding the defaults of pipelines/config.py (default: configs/cpu_demo.yaml)")
+                   help="YAML file overriding the defaults of dora_tasks/core/config.py "
+                        "(default: configs/cpu_demo.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
 
 

@@ -26,8 +26,8 @@ import dask
 from distributed import Client, Nanny, Scheduler, Security, SpecCluster
 from distributed.comm.core import CommClosedError, FatalCommClosedError
 
+from dora_tasks.core.config import ClusterConfig, Config
 from dora_tasks.plugins import WORKER_ENV
-from pipelines.config import ClusterConfig, Config
 
 log = logging.getLogger("dora")
 

@@ -1,42 +1,46 @@
-"""The driver's machinery: what the streaming loop in `pipelines.streaming` calls to extend the graph and to take in
-results. The driver is the single writer of the trajectory store and the only owner of the gate and orchestrator.
+"""The driver: one typed event loop that extends the Dask graph and owns the run's state.
+
+Every future the driver waits on is tracked with a typed task (`pipelines.events`: rollout, scoring, update,
+evaluation); `on_done` dispatches a finished one on its type. What happened goes to observers as typed events
+(MLflow tracking, the live view, benchmarks' probes subscribe with `subscribe`). The driver is the single writer of
+the trajectory store and the only owner of the gate and orchestrator; `pipelines.streaming.stream` is its loop.
 
 Submission placement (Dask resource restrictions):
   rollout   -> the instance the orchestrator chose (``workers=[addr]``), resource ROLLOUT=1 (one slot)
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
-  update (and its publish) -> the trainer, resource TRAINER=1
+  update (and its publish), checkpoint, restore -> the trainer, resource TRAINER=1
 
 A rollout task is one group. Its scoring is submitted once the driver sees it end: the groups one instance finished
 since the driver's last turn (groups of one decode step end together) are scored by one reward task and one
-advantage task, so Dask's per-task cost (messages, transfers, bookkeeping in four processes) is paid once for them.
+advantage task, so Dask's per-task cost is paid once for them. A complete group is fetched by the driver and from
+then on travels by value (the gate task of its batch carries it).
 
-A complete group is fetched by the driver (the store's single writer) and from then on travels by value: the gate
-task of its batch carries it, so a group no longer depends on the memory of the worker that scored it, and workers
-hold each group only until the driver has it.
+Faults: a rollout instance that leaves restarts its groups on their own version; a trainer that leaves, or whose
+update fails with `TrainerLost`, is restored (`recover_trainer`); an evaluation that fails is tried once more, then
+skipped. Any other failed task ends the run with a `RunError` naming it.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import queue
-import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import singledispatchmethod
+from typing import Callable
 
-import numpy as np
 from distributed import Client, Future, wait
 from distributed.scheduler import KilledWorker
 
 from dora_tasks import steps
-from dora_tasks.plugins import RolloutPlugin, TrainerLost, TrainerPlugin
-from dora_tasks.records import Group, Prompt, PublishedWeights, TrainerRestore, UpdateResult
+from dora_tasks.core.config import Config
+from dora_tasks.core.records import Group, Prompt, TrainerRestore, UpdateResult
+from dora_tasks.plugins import TrainerLost
 from pipelines.cluster import ClusterError, PausedWorkers, Workers, labelled_workers
-from pipelines.config import Config
+from pipelines.events import (EvaluationTask, Evaluated, Event, GroupRolledOut, GroupsScored, Published, RolloutTask,
+                              ScoringSubmitted, ScoringTask, Task, TrainerRestored, Turn, UpdateSubmitted, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
-from pipelines.metrics import Timeline, UpdateTiming
+from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.orchestrator import Orchestrator, Start
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
@@ -47,11 +51,15 @@ ROLLOUT, CPU, TRAINER = {"ROLLOUT": 1}, {"CPU": 1}, {"TRAINER": 1}
 TRAINER_LOSS = (TrainerLost, KilledWorker)  # what a trainer task raises when the trainer's process died under it
 MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them before the run stops
 RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
+MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
 MAX_EVAL_ATTEMPTS = 2  # an evaluation that fails is tried once more, then skipped with a warning
+EVALUATION_PRIORITY = -10  # evaluations wait behind the pipeline's own CPU tasks
+LIVE_WINDOW_TURNS = 50  # the `live_versions` metric: most versions live at once over this many recent turns
+SEED_STRIDE = 1_000_003  # a prime: the seeds of two runs' groups do not collide
 
 
-class RunFolderError(ValueError):
-    """The run folder cannot be used as asked (already holds a run, or holds none to resume)."""
+class RunError(RuntimeError):
+    """A task of the run failed; the message names it. The store keeps everything consumed so far."""
 
 
 class RewardFailureError(RuntimeError):
@@ -60,20 +68,6 @@ class RewardFailureError(RuntimeError):
 
 class TrainerError(RuntimeError):
     """The trainer cannot be brought back; the run folder can be resumed with `dora resume`."""
-
-
-def cache_root() -> str:
-    return os.environ.get("DORA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dora"))
-
-
-def initial_policy(cfg: Config) -> str:
-    """The model path given, or a warm-started policy (cached by its settings)."""
-    if cfg.model.path:
-        return cfg.model.path
-    from dora_tasks.warmstart import warm_start, warmstart_settings
-
-    digest = hashlib.sha1(json.dumps(warmstart_settings(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    return warm_start(cfg, os.path.join(cache_root(), "warmstart", digest))
 
 
 @dataclass
@@ -110,12 +104,6 @@ class RateLimit:
 
 
 @dataclass
-class Evaluation:
-    version: int
-    attempt: int
-
-
-@dataclass
 class Driver:
     cfg: Config
     client: Client
@@ -126,45 +114,119 @@ class Driver:
     model_path: str
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
-    checkpoints: CheckpointStore | None = None  # where a restarted trainer takes its optimizer state from
+    checkpoints: CheckpointStore | None = None
     timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))
-    in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> futures
+    tracked: dict[Future, Task] = field(default_factory=dict)  # every future the driver waits on
+    in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> its futures, until complete
     attempts: dict[int, int] = field(default_factory=dict)
     complete: dict[int, Group] = field(default_factory=dict)  # fetched, not yet consumed
     unscored: list[int] = field(default_factory=list)  # rolled out this turn, scoring not submitted yet
-    scoring: dict[tuple, list[int]] = field(default_factory=dict)  # advantage key -> the groups it scores
     scoring_batches: int = 0
-    evaluations: dict[Future, Evaluation] = field(default_factory=dict)  # queued or running held-out evaluations
-    eval_failures: int = 0
-    trainer: str = ""  # address of the trainer worker holding the engine
-    trainer_restarts: int = 0
-    restarts_in_a_row: int = 0  # since the last publish
-    all_rewards_failed: int = 0  # updates in a row in which every reward failed
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
     accuracy: dict[int, float] = field(default_factory=dict)
-    live_history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
-    last_metrics: dict[str, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("trainer_restarts", "restarts_in_a_row", "eval_failures", "all_rewards_failed"), 0))
+    trainer: str = ""  # address of the trainer worker holding the engine
+    live_recent: deque[int] = field(default_factory=lambda: deque(maxlen=LIVE_WINDOW_TURNS))
+    live_versions_max: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    observers: list[Callable[[Event], None]] = field(default_factory=list)
     _synced: float = 0.0
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(30.0))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
+    # ---- events --------------------------------------------------------------------------------------------------
+    def subscribe(self, observer: Callable[[Event], None]) -> None:
+        self.observers.append(observer)
+
+    def emit(self, event: Event) -> None:
+        for observer in self.observers:
+            observer(event)
+
+    def end_turn(self) -> None:
+        live = tuple(self.orchestrator.live_versions())
+        self.live_recent.append(len(live))
+        self.live_versions_max = max(self.live_versions_max, len(live))
+        self.emit(Turn(self.gate.next_update, self.gate.newest, live, self.orchestrator.in_flight, self.last_metrics))
+
+    # ---- finished futures ----------------------------------------------------------------------------------------
+    def on_done(self, future: Future) -> None:
+        """Take in one finished future, by what it is (a future given up on since is ignored)."""
+        task = self.tracked.pop(future, None)
+        if task is not None:
+            self._done(task, future)
+
+    @singledispatchmethod
+    def _done(self, task, future: Future) -> None:
+        raise TypeError(f"untracked task type {type(task).__name__}")
+
+    @_done.register
+    def _(self, task: RolloutTask, future: Future) -> None:
+        self._raise_if_failed(future)
+        self.on_rolled_out(task.group_id)
+
+    @_done.register
+    def _(self, task: ScoringTask, future: Future) -> None:
+        self._raise_if_failed(future)
+        self.on_scored(task, future.result())
+
+    @_done.register
+    def _(self, task: UpdateTask, future: Future) -> None:
+        try:
+            result: UpdateResult = future.result()
+        except TRAINER_LOSS as exc:
+            self.recover_trainer(f"update {task.update} failed: {type(exc).__name__}")
+            return
+        except Exception:  # noqa: BLE001 - named in the RunError below
+            self._raise_if_failed(future)
+            raise
+        self.on_published(task, result)
+
+    @_done.register
+    def _(self, task: EvaluationTask, future: Future) -> None:
+        self.on_evaluated(task, future)
+
+    def _raise_if_failed(self, future: Future) -> None:
+        if future.status == "error":
+            exc = future.exception()
+            raise RunError(f"task {future.key} failed: {type(exc).__name__}: {exc}") from exc
+
+    def track(self, future: Future, task: Task) -> Future:
+        """Wait on `future` as `task`: it is queued for `on_done` when it finishes."""
+        self.tracked[future] = task
+        future.add_done_callback(self._finished.put)
+        return future
+
+    def wait_any(self, timeout_s: float) -> list[Future]:
+        """The tracked futures that finished since the last call, after waiting up to `timeout_s` for the first."""
+        try:
+            done = [self._finished.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while not self._finished.empty():
+            done.append(self._finished.get())
+        return [f for f in done if f in self.tracked]
+
+    def untrack(self, futures: list[Future]) -> None:
+        for future in futures:
+            self.tracked.pop(future, None)
+
     # ---- cluster membership --------------------------------------------------------------------------------------
     def sync_instances(self, every_s: float = 1.0) -> None:
-        """Follow rollout instances joining and leaving (a killed worker comes back under a new address).
-        Asks the scheduler at most every `every_s` seconds."""
+        """Follow workers joining and leaving (a killed worker comes back under a new address): rollout instances
+        and the trainer. Asks the scheduler at most every `every_s` seconds."""
         if time.time() - self._synced < every_s:
             return
         self._synced = time.time()
         workers = self.check_workers()
         if self.trainer and self.trainer not in workers.trainer:
             self.recover_trainer(f"worker {self.trainer} left the cluster")
-        current = workers.rollout
         for address in list(self.orchestrator.instances):
-            if address not in current:
+            if address not in workers.rollout:
                 self.restart_groups_of(address)
-        for address, slots in current.items():
+        for address, slots in workers.rollout.items():
             self.orchestrator.add_instance(address, slots)
 
     def check_workers(self) -> Workers:
@@ -183,9 +245,8 @@ class Driver:
         for gid in generating + scoring:
             lost = self.in_flight.pop(gid)
             log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
-            self.client.cancel(lost.futures)  # a scoring batch holds groups of one instance only
-        given_up = set(scoring)
-        self.scoring = {key: gids for key, gids in self.scoring.items() if given_up.isdisjoint(gids)}
+            self.untrack(lost.futures)  # a scoring batch holds groups of one instance only
+            self.client.cancel(lost.futures)
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
@@ -199,13 +260,12 @@ class Driver:
         prompt = self.prompt_for(gid)
         self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, time.time())
         suffix = (attempt,) if attempt else ()
-        r = self.cfg.rollout
-        seed = self.cfg.dora.seed * 1_000_003 + gid * 31 + attempt
-        rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v), r.group_size, seed,
-                                    attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
+        seed = self.cfg.dora.seed * SEED_STRIDE + gid * 31 + attempt
+        rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v), self.cfg.rollout.group_size,
+                                    seed, attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
                                     resources=ROLLOUT, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
-        self.watch(rolled)
+        self.track(rolled, RolloutTask(gid, v, start.instance))
 
     def on_rolled_out(self, gid: int) -> None:
         """The instance finished generating the group: free its slot; the group waits for this turn's scoring."""
@@ -214,6 +274,7 @@ class Driver:
             group.rolled_out = True
             self.orchestrator.on_group_done(gid)
             self.unscored.append(gid)
+            self.emit(GroupRolledOut(gid, time.time()))
 
     def submit_scoring(self) -> None:
         """rollout* -> reward(groups) -> advantage(groups): one pair of tasks per instance for the groups it finished
@@ -235,18 +296,18 @@ class Driver:
                                         key=("advantage", n), resources=CPU, pure=False)
             for g in gids:
                 self.in_flight[g].futures += [rewarded, scored]
-            self.scoring[scored.key] = gids
-            self.watch(scored)
+            self.track(scored, ScoringTask(n, tuple(gids)))
+            self.emit(ScoringSubmitted(tuple(gids), time.time()))
 
-    def on_scored(self, future: Future) -> None:
+    def on_scored(self, task: ScoringTask, groups: list[Group]) -> None:
         """A scoring batch is done: its groups are complete (the gate may put them in a batch)."""
-        groups: list[Group] = future.result()
-        if [g.group_id for g in groups] != self.scoring.pop(future.key):
-            raise RuntimeError(f"{future.key} returned other groups than it was given")
+        if tuple(g.group_id for g in groups) != task.group_ids:
+            raise RunError(f"scoring batch {task.number} returned other groups than it was given")
         for group in groups:
             del self.in_flight[group.group_id]  # its futures go: the workers may drop the group
             self.gate.on_complete(group.group_id)
             self.complete[group.group_id] = group
+        self.emit(GroupsScored(task.group_ids, time.time()))
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:
@@ -266,7 +327,8 @@ class Driver:
         """gate(u) -> update(u), which publishes u+1. A batch handed over early (lookahead) reaches the trainer while
         the previous update trains and starts the moment that one's weights are written."""
         u, c = decision.update, self.cfg
-        suffix = (self.trainer_restarts,) if self.trainer_restarts else ()  # a key of a cancelled task is never reused
+        restarts = self.counters["trainer_restarts"]
+        suffix = (restarts,) if restarts else ()  # the key of a cancelled task is never reused
         groups = [self.complete[g] for g in decision.group_ids]
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, *groups, key=("gate", u) + suffix, resources=CPU,
@@ -274,37 +336,73 @@ class Driver:
         updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u) + suffix,
                                      resources=TRAINER, pure=False)
         self.updates.append(QueuedUpdate(decision, time.time(), checked, updated))
-        self.watch(updated)
+        self.track(updated, UpdateTask(u))
+        self.emit(UpdateSubmitted(u, tuple(decision.group_ids), time.time()))
 
-    def is_update(self, future: Future) -> bool:
-        return any(q.updated is future for q in self.updates)
-
-    def on_published(self, future: Future) -> dict[str, float]:
-        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator).
-        Raises the task's error (then nothing changed)."""
-        result: UpdateResult = future.result()
+    def on_published(self, task: UpdateTask, result: UpdateResult) -> None:
+        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator),
+        then evaluates and checkpoints the new version when they are due."""
         queued = self.updates.popleft()
-        if queued.updated.key != future.key:
-            raise RuntimeError(f"{future.key} finished before {queued.updated.key}")
-        decision, ready = queued.decision, queued.ready
-        published: PublishedWeights = result.published
-        now = time.time()
+        if queued.decision.update != task.update:
+            raise RunError(f"update {task.update} finished before update {queued.decision.update}")
+        decision, published, now = queued.decision, result.published, time.time()
         groups = [self.complete.pop(g) for g in decision.group_ids]
         self.gate.on_update_done(decision.update)
         self.orchestrator.on_publish(published.version)
         self.store.append_consumed(groups, decision.update, now)
-        tokens = sum(g.num_tokens for g in groups)
-        self.timeline.updates.append(UpdateTiming(decision.update, ready, result.start_time, result.end_time, now,
-                                                  tokens, published.seconds))
-        metrics = self.update_metrics(decision, groups, result, published, now)
+        self.timeline.updates.append(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time,
+                                                  now, sum(g.num_tokens for g in groups), published.seconds))
+        metrics = update_metrics(decision.update, groups, result, self.timeline, max(self.live_recent, default=1),
+                                 self.counters)
         self.store.append_update(decision.update, result.start_time, result.end_time, published.version,
                                  published.seconds, metrics)
         self.retain_weights()
         self.last_metrics = metrics
-        self.restarts_in_a_row = 0
+        self.counters["restarts_in_a_row"] = 0
+        self.emit(Published(decision.update, metrics))
         self.check_rewards([t.reward_error for g in groups for t in g.trajectories if t.reward_error],
                            sum(len(g.trajectories) for g in groups))
-        return metrics
+        if self.evaluation_due(published.version):
+            self.submit_evaluation(published.version)
+        if self.checkpoint_due(published.version):
+            self.checkpoint(decision.update)
+
+    def check_rewards(self, errors: list[str], scored: int) -> None:
+        """Warn when more than `task.reward_failure_warn_share` of a batch's rewards failed; stop the run once every
+        reward of `task.reward_failure_stop_updates` updates in a row failed (a reward function that always raises
+        or returns no number would otherwise train on zeros in silence)."""
+        t, c = self.cfg.task, self.counters
+        c["all_rewards_failed"] = c["all_rewards_failed"] + 1 if len(errors) == scored else 0
+        example = max(set(errors), key=errors.count) if errors else ""
+        if t.reward_failure_stop_updates and c["all_rewards_failed"] >= t.reward_failure_stop_updates:
+            raise RewardFailureError(
+                f"every reward of the last {c['all_rewards_failed']} updates failed (task.reward_fn="
+                f"{t.reward_fn or '(the task default)'}; most frequent error: {example}); fix the reward function "
+                f"and continue with `dora resume {self.cfg.storage.run_dir}`, or set "
+                "task.reward_failure_stop_updates=0 to train on failed rewards as 0")
+        if errors and len(errors) > t.reward_failure_warn_share * scored and self._reward_warnings.ready():
+            log.warning("%d of %d rewards of this update failed (most frequent: %s)", len(errors), scored, example)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def checkpoint(self, update: int) -> None:
+        """Gate, orchestrator, store rows and the trainer's state after `update`. The trainer is between two updates
+        (`may_hand_over`); if it is lost meanwhile, it is restored and the checkpoint taken again."""
+        self.store.flush()
+        self.pinned_versions = set(self.gate.unconsumed.values()) | {self.gate.newest}
+        state = {"gate": self.gate.to_state(), "orchestrator": self.orchestrator.to_state(), "attempts": self.attempts,
+                 "store_rows": self.store.row_counts(), "accuracy": self.accuracy, "version": self.gate.newest}
+
+        def save_trainer(folder: str) -> None:
+            self.client.submit(steps.save_trainer_checkpoint, folder, resources=TRAINER, pure=False,
+                               key=("checkpoint", update, self.counters["trainer_restarts"])).result()
+
+        while True:
+            try:
+                self.checkpoints.save(update, state, {"trainer": save_trainer})
+                break
+            except TRAINER_LOSS as exc:
+                self.recover_trainer(f"checkpoint {update} failed: {type(exc).__name__}")
+        self.retain_weights()
 
     # ---- trainer loss --------------------------------------------------------------------------------------------
     def recover_trainer(self, why: str) -> TrainerRestore:
@@ -315,7 +413,9 @@ class Driver:
         log.warning("trainer lost (%s); restoring it at version %d", why, self.gate.newest)
         queued = list(self.updates)
         self.updates.clear()
-        self.client.cancel([f for q in queued for f in (q.checked, q.updated)])
+        lost = [f for q in queued for f in (q.checked, q.updated)]
+        self.untrack(lost)
+        self.client.cancel(lost)
         self.retain_weights(drop_unseen=True)
         checkpoint = self.checkpoints.latest() if self.checkpoints is not None else None
         folder = checkpoint.file("trainer") if checkpoint is not None else None
@@ -325,7 +425,7 @@ class Driver:
             self.wait_for_trainer()
             try:
                 restored = self.client.submit(steps.restore_trainer, self.gate.newest, folder, resources=TRAINER,
-                                              key=("restore-trainer", self.trainer_restarts), pure=False
+                                              key=("restore-trainer", self.counters["trainer_restarts"]), pure=False
                                               ).result(timeout=RESTORE_TIMEOUT_S)
             except TRAINER_LOSS as exc:
                 why = f"lost again while restored: {type(exc).__name__}"
@@ -335,26 +435,26 @@ class Driver:
         self.trainer = restored.worker
         for q in queued:
             self.submit_update(q.decision)
-        if restored.optimizer_from:
-            log.warning("trainer restored at version %d with the optimizer state of %s", restored.version,
-                        restored.optimizer_from)
-        else:
-            log.warning("trainer restored at version %d with a FRESH optimizer state (%s)", restored.version,
-                        "no checkpoint yet" if folder is None else f"{self.cfg.train.engine} ZeRO-"
-                        f"{self.cfg.train.zero_stage} cannot take the optimizer state of {folder} alone")
+        log.warning("trainer restored at version %d with %s", restored.version,
+                    f"the optimizer state of {restored.optimizer_from}" if restored.optimizer_from else
+                    "a FRESH optimizer state (" + ("no checkpoint yet" if folder is None else
+                                                   f"the engine cannot take the optimizer state of {folder} alone")
+                    + ")")
+        self.emit(TrainerRestored(why, restored.version, restored.optimizer_from))
         return restored
 
     def count_trainer_restart(self, why: str) -> None:
-        self.trainer_restarts += 1
-        self.restarts_in_a_row += 1
-        if self.restarts_in_a_row > MAX_TRAINER_RESTARTS:
-            raise TrainerError(f"the trainer was lost {self.restarts_in_a_row} times without publishing a version "
+        c = self.counters
+        c["trainer_restarts"] += 1
+        c["restarts_in_a_row"] += 1
+        if c["restarts_in_a_row"] > MAX_TRAINER_RESTARTS:
+            raise TrainerError(f"the trainer was lost {c['restarts_in_a_row']} times without publishing a version "
                                f"in between (last: {why}); continue the run with `dora resume "
                                f"{self.cfg.storage.run_dir}` once the trainer worker is healthy")
 
     def wait_for_trainer(self) -> str:
         """The address of a connected trainer worker (its Nanny restarts it within seconds)."""
-        timeout_s = max(30.0, self.cfg.cluster.connect_timeout_s)
+        timeout_s = max(MIN_WORKER_WAIT_S, self.cfg.cluster.connect_timeout_s)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             trainers = labelled_workers(self.client).trainer
@@ -364,84 +464,52 @@ class Driver:
         raise ClusterError(f"the trainer was lost and no worker labelled GPU=1,TRAINER=1 joined within "
                            f"{timeout_s:.0f} s; start one and continue with `dora resume {self.cfg.storage.run_dir}`")
 
-    def update_metrics(self, decision: BatchDecision, groups: list[Group], result: UpdateResult,
-                       published: PublishedWeights, now: float) -> dict[str, float]:
-        rewards = np.concatenate([np.nan_to_num(g.rewards, nan=0.0) for g in groups])
-        errors = [t.reward_error for g in groups for t in g.trajectories if t.reward_error]
-        staleness = np.array([decision.update - g.version for g in groups])
-        prev = self.timeline.updates[-2].published if len(self.timeline.updates) > 1 else self.timeline.t0
-        metrics = dict(result.metrics)
-        metrics.update({
-            "reward_mean": float(rewards.mean()),
-            "train_accuracy": float(np.mean(rewards == 1.0)),
-            "staleness_max": float(staleness.max()), "staleness_mean": float(staleness.mean()),
-            "versions_in_batch": float(len({g.version for g in groups})),
-            "live_versions": float(max((len(v) for _, v in self.live_history[-50:]), default=1)),
-            "step_time_s": now - prev, "weight_sync_s": published.seconds,
-            "tokens": float(sum(g.num_tokens for g in groups)),
-            "reward_failures": float(len(errors)), "reward_failure_share": len(errors) / len(rewards),
-            "trainer_restarts": float(self.trainer_restarts), "eval_failures": float(self.eval_failures),
-            "wall_s": now - self.timeline.t0,
-        })
-        metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
-        return metrics
-
-    def check_rewards(self, errors: list[str], scored: int) -> None:
-        """Warn when more than `task.reward_failure_warn_share` of a batch's rewards failed; stop the run once every
-        reward of `task.reward_failure_stop_updates` updates in a row failed (a reward function that always raises
-        or returns no number would otherwise train on zeros in silence)."""
-        t = self.cfg.task
-        self.all_rewards_failed = self.all_rewards_failed + 1 if len(errors) == scored else 0
-        example = max(set(errors), key=errors.count) if errors else ""
-        if t.reward_failure_stop_updates and self.all_rewards_failed >= t.reward_failure_stop_updates:
-            raise RewardFailureError(
-                f"every reward of the last {self.all_rewards_failed} updates failed (task.reward_fn="
-                f"{t.reward_fn or '(the task default)'}; most frequent error: {example}); fix the reward function "
-                f"and continue with `dora resume {self.cfg.storage.run_dir}`, or set "
-                "task.reward_failure_stop_updates=0 to train on failed rewards as 0")
-        if errors and len(errors) > t.reward_failure_warn_share * scored and self._reward_warnings.ready():
-            log.warning("%d of %d rewards of this update failed (most frequent: %s)", len(errors), scored, example)
-
     def retain_weights(self, *, drop_unseen: bool = False) -> None:
         """Keep the versions unconsumed groups still need, the newest, those a queued evaluation will read, (for
         resume) the checkpoint's, and any newer version the trainer published ahead of the driver (update lookahead:
         the next publish can land before the driver has taken in this one). `drop_unseen`: delete those too (resume
         and a restored trainer: they will be published again)."""
         keep = set(self.gate.unconsumed.values()) | {self.gate.newest} | self.pinned_versions
-        keep |= {e.version for e in self.evaluations.values()}
+        keep |= {t.version for t in self.tracked.values() if isinstance(t, EvaluationTask)}
         if self.cfg.storage.keep_versions:
             keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
         self.weights.retain(keep, newer_than=None if drop_unseen else self.gate.newest)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
+    def evaluation_due(self, version: int) -> bool:
+        interval = self.cfg.task.eval_interval
+        return version in (0, self.cfg.dora.num_updates) or bool(interval and version % interval == 0)
+
+    def evaluations(self) -> list[Future]:
+        return [f for f, t in self.tracked.items() if isinstance(t, EvaluationTask)]
+
     def submit_evaluation(self, version: int, attempt: int = 0) -> None:
         t = self.cfg.task
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
                                     self.model_path, t.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
                                     t.reward_timeout_s, t.reward_isolation, t.reward_memory_bytes,
                                     key=("evaluate", version) + ((attempt,) if attempt else ()), resources=CPU,
-                                    pure=False, priority=-10)
-        self.evaluations[future] = Evaluation(version, attempt)
-        self.watch(future)
+                                    pure=False, priority=EVALUATION_PRIORITY)
+        self.track(future, EvaluationTask(version, attempt))
 
-    def on_evaluated(self, future: Future) -> float | None:
-        """The held-out accuracy of the evaluated version; None when it failed (tried again once, then skipped:
-        a failed evaluation never stops training)."""
-        evaluation = self.evaluations.pop(future)
+    def on_evaluated(self, task: EvaluationTask, future: Future) -> None:
+        """The held-out accuracy of the evaluated version; a failure is tried again once, then skipped: a failed
+        evaluation never stops training."""
         if future.status != "error":
-            self.accuracy[evaluation.version] = float(future.result())
+            self.accuracy[task.version] = float(future.result())
             self.retain_weights()
-            return self.accuracy[evaluation.version]
+            self.emit(Evaluated(task.version, self.accuracy[task.version]))
+            return
         exc = future.exception()
-        self.eval_failures += 1
-        again = evaluation.attempt + 1 < MAX_EVAL_ATTEMPTS and evaluation.version in self.weights.versions()
-        log.warning("evaluation of version %d failed (%s: %s); %s", evaluation.version, type(exc).__name__, exc,
+        self.counters["eval_failures"] += 1
+        again = task.attempt + 1 < MAX_EVAL_ATTEMPTS and task.version in self.weights.versions()
+        log.warning("evaluation of version %d failed (%s: %s); %s", task.version, type(exc).__name__, exc,
                     "trying once more" if again else "skipped, training goes on")
         if again:
-            self.submit_evaluation(evaluation.version, evaluation.attempt + 1)
+            self.submit_evaluation(task.version, task.attempt + 1)
         else:
             self.retain_weights()
-        return None
+            self.emit(Evaluated(task.version, None, f"{type(exc).__name__}: {exc}"))
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -465,50 +533,8 @@ class Driver:
                 except TimeoutError:
                     self.check_workers()  # a paused engine never starts
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
-        while self.evaluations:
-            wait(list(self.evaluations))
-            for f in [f for f in self.evaluations if f.done()]:
-                self.on_evaluated(f)
+        while self.evaluations():
+            wait(self.evaluations())
+            for future in self.wait_any(1.0):
+                self.on_done(future)
         self.timeline = Timeline(time.time())
-
-    def evaluation_due(self, version: int) -> bool:
-        interval = self.cfg.task.eval_interval
-        return version in (0, self.cfg.dora.num_updates) or bool(interval and version % interval == 0)
-
-    # ---- waiting -------------------------------------------------------------------------------------------------
-    def pending(self) -> list[Future]:
-        rolling = [g.futures[0] for g in self.in_flight.values() if not g.rolled_out]
-        scoring = {g.futures[-1].key: g.futures[-1] for g in self.in_flight.values() if len(g.futures) > 1}
-        return rolling + list(scoring.values()) + [q.updated for q in self.updates] + list(self.evaluations)
-
-    def watch(self, *futures: Future) -> None:
-        """Queue each future when it finishes (one callback per future, registered once, rather than waiting
-        anew on every pending future at every turn of the loop)."""
-        for future in futures:
-            future.add_done_callback(self._finished.put)
-
-    def wait_any(self, timeout_s: float) -> list[Future]:
-        """The pending futures that finished since the last call, after waiting up to `timeout_s` for the first.
-        Futures of groups given up on (their instance died) are dropped."""
-        try:
-            done = [self._finished.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
-        while not self._finished.empty():
-            done.append(self._finished.get())
-        expected = {f.key for f in self.pending()}
-        return [f for f in done if f.key in expected]
-
-    def note_live_versions(self) -> None:
-        self.live_history.append((time.time(), tuple(self.orchestrator.live_versions())))
-
-
-def publish_initial(weights: WeightStore, model_path: str) -> None:
-    """Version 0 is the initial policy, copied into the weight store like every later version."""
-    if 0 not in weights.versions():
-        weights.publish(0, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True))
-
-
-def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str) -> None:
-    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root))
-    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature))

@@ -46,6 +46,33 @@ class Timeline:
         return start, end
 
 
+def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int,
+                   counters: dict[str, int]) -> dict[str, float]:
+    """The metrics of update `update` (logged to MLflow and kept in the store's update row): the trainer's own, the
+    batch's rewards and staleness, step and weight-sync time, throughput, reward failures, the run's fault counters.
+    `tl` already holds this update's timing; failed rewards count as 0."""
+    rewards = np.concatenate([np.nan_to_num(g.rewards, nan=0.0) for g in groups])
+    failed = sum(1 for g in groups for t in g.trajectories if t.reward_error)
+    staleness = np.array([update - g.version for g in groups])
+    now = tl.updates[-1].published
+    prev = tl.updates[-2].published if len(tl.updates) > 1 else tl.t0
+    metrics = dict(result.metrics)
+    metrics.update({
+        "reward_mean": float(rewards.mean()),
+        "train_accuracy": float(np.mean(rewards == 1.0)),
+        "staleness_max": float(staleness.max()), "staleness_mean": float(staleness.mean()),
+        "versions_in_batch": float(len({g.version for g in groups})),
+        "live_versions": float(live_versions),
+        "step_time_s": now - prev, "weight_sync_s": result.published.seconds,
+        "tokens": float(sum(g.num_tokens for g in groups)),
+        "reward_failures": float(failed), "reward_failure_share": failed / len(rewards),
+        "trainer_restarts": float(counters["trainer_restarts"]), "eval_failures": float(counters["eval_failures"]),
+        "wall_s": now - tl.t0,
+    })
+    metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
+    return metrics
+
+
 def throughput(tl: Timeline) -> float:
     steady = tl.steady()
     start, end = tl.steady_window()

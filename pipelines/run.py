@@ -1,9 +1,10 @@
-"""A run's life around the streaming loop: set-up, taking in results, checkpoints, resume and the final report.
+"""Opening and closing a run; the driver (`pipelines.driver`) runs it in between.
 
-`open_run(cfg)` validates everything that can be checked before work starts (config, run folder, model, dataset,
-cluster address and labels), then starts the cluster, the stores and MLflow. `Run.take(future)` routes each finished
-future; `Run.finish()` evaluates, audits the store, draws the plots and returns a `RunSummary`. On any exit the
-trajectory store is flushed and closed, so nothing already produced is lost.
+`open_run(cfg)` validates everything that can be checked before work starts (config, run folder, reward function,
+dataset, engines), then starts the cluster and checks its labels, and only then writes into the run folder: the
+stores, MLflow, the driver with its observers (MLflow tracking and the live view), the engines' warm-up.
+`Run.finish()` waits for the final evaluation, audits the store, draws the plots and returns a `RunSummary`. On any
+exit the trajectory store is flushed and closed, so nothing already produced is lost.
 """
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import hashlib
+import shutil
+
 import yaml
-from distributed import Future
+from distributed import Client
 
 from dora_tasks import steps
+from dora_tasks.core.config import Config, apply_overrides, config_from_dict
 from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.workloads.datasets import load_prompts
 from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn
-from pipelines.config import Config, config_from_dict, apply_overrides
 from pipelines.cluster import connect, wait_for_workers
-from pipelines.driver import (TRAINER, TRAINER_LOSS, Driver, RunFolderError, initial_policy, publish_initial,
-                              register_plugins)
+from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
+from pipelines.driver import MIN_WORKER_WAIT_S, TRAINER, Driver, RunError  # noqa: F401 - RunError: what a failed run raises
+from pipelines.events import Evaluated, Published, TrainerRestored, Turn
 from pipelines.gate import VersionGate
 from pipelines.live import LiveView
 from pipelines.metrics import summary as timing_summary
@@ -39,8 +44,8 @@ log = logging.getLogger("dora")
 CONFIG_FILE = "config.yaml"
 
 
-class RunError(RuntimeError):
-    """A task of the run failed; the message names it. The store keeps everything consumed so far."""
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked (already holds a run, or holds none to resume)."""
 
 
 @dataclass
@@ -69,116 +74,33 @@ class RunSummary:
 
 @dataclass
 class Run:
+    """An open run: the driver and what observes it. `finish()` closes it with a summary."""
+
     cfg: Config
     driver: Driver
     tracker: Tracker
     live: LiveView
     checkpoints: CheckpointStore
-    cluster: object
-    workers: object
-    logged_accuracy: set[int] = field(default_factory=set)
-
-    # ---- results -------------------------------------------------------------------------------------------------
-    def take(self, future: Future) -> None:
-        d = self.driver
-        if future in d.evaluations:
-            d.on_evaluated(future)
-            self.log_accuracy()
-        elif d.is_update(future):
-            self._take_update(future)
-        elif future.status == "error":
-            self._fail(future)
-        elif future.key[0] == "rollout":
-            d.on_rolled_out(future.key[2])
-        else:
-            d.on_scored(future)
-
-    def _take_update(self, future: Future) -> None:
-        d = self.driver
-        try:
-            metrics = d.on_published(future)
-        except TRAINER_LOSS as exc:
-            self.trainer_lost(f"{future.key[:2]} failed: {type(exc).__name__}")
-            return
-        except Exception:
-            if future.status == "error":
-                self._fail(future)
-            raise
-        self._after_update(d.gate.next_update - 1, metrics)
-
-    def trainer_lost(self, why: str) -> None:
-        """Bring a restarted trainer back (see `Driver.recover_trainer`) and say so in the terminal; the next
-        update's metrics (store and MLflow) count it in `trainer_restarts`."""
-        d = self.driver
-        restored = d.recover_trainer(why)
-        optimizer = f"optimizer of {os.path.basename(os.path.dirname(restored.optimizer_from))}" \
-            if restored.optimizer_from else "FRESH optimizer"
-        self.live.event(f"trainer lost ({why}); restored at version {restored.version} with a {optimizer}")
-
-    def _fail(self, future: Future) -> None:
-        exc = future.exception()
-        raise RunError(f"task {future.key} failed: {type(exc).__name__}: {exc}") from exc
-
-    def _after_update(self, update: int, metrics: dict[str, float]) -> None:
-        d = self.driver
-        version = update + 1
-        self.tracker.log_update(update, metrics)
-        if d.evaluation_due(version):
-            d.submit_evaluation(version)
-        if d.checkpoint_due(version):
-            self.checkpoint(update)
 
     def log_kept_updates(self) -> None:
-        """A resumed run's MLflow run is new: it gets every update the store kept, as they were logged first."""
+        """A resumed run's MLflow run is new: it gets every update the store kept, and the accuracy of every
+        version evaluated before the checkpoint, as they were logged first."""
         table = self.driver.store.read_table("updates")
         names = [c for c in table if c.startswith("metrics/")]
         for row, update in enumerate(table["update"]):
             self.tracker.log_update(int(update), {c.split("/", 1)[1]: table[c][row] for c in names})
-
-    def log_accuracy(self) -> None:
-        """Held-out accuracy of each version once, at step = version (0 is the initial policy)."""
-        for version in sorted(set(self.driver.accuracy) - self.logged_accuracy):
-            self.tracker.log_update(version, {"accuracy": self.driver.accuracy[version]})
-            self.logged_accuracy.add(version)
-
-    def show_progress(self) -> None:
-        d = self.driver
-        self.live.update(d.gate.next_update, d.gate.newest, d.orchestrator.live_versions(), d.orchestrator.in_flight,
-                         d.last_metrics.get("reward_mean", float("nan")), d.last_metrics.get("tokens_per_s", 0.0),
-                         int(d.last_metrics.get("staleness_max", 0)), d.last_metrics.get("reward_failure_share", 0.0))
-
-    # ---- checkpoints ---------------------------------------------------------------------------------------------
-    def checkpoint(self, update: int) -> None:
-        """Gate, orchestrator, store rows and the trainer's state after `update`. The trainer is between two updates
-        (`Driver.may_hand_over`); if it is lost meanwhile, it is restored and the checkpoint taken again."""
-        d = self.driver
-        d.store.flush()
-        self.tracker.flush_metrics()
-        d.pinned_versions = set(d.gate.unconsumed.values()) | {d.gate.newest}
-        state = {"gate": d.gate.to_state(), "orchestrator": d.orchestrator.to_state(), "attempts": d.attempts,
-                 "store_rows": d.store.row_counts(), "accuracy": d.accuracy, "version": d.gate.newest}
-
-        def save_trainer(folder: str) -> None:
-            d.client.submit(steps.save_trainer_checkpoint, folder, key=("checkpoint", update, d.trainer_restarts),
-                            resources=TRAINER, pure=False).result()
-
-        while True:
-            try:
-                self.checkpoints.save(update, state, {"trainer": save_trainer})
-                break
-            except TRAINER_LOSS as exc:
-                self.trainer_lost(f"checkpoint {update} failed: {type(exc).__name__}")
-        d.retain_weights()
+        for version, accuracy in sorted(self.driver.accuracy.items()):
+            self.tracker.log_update(version, {"accuracy": accuracy})
 
     # ---- the end -------------------------------------------------------------------------------------------------
     def finish(self) -> RunSummary:
         d, cfg = self.driver, self.cfg
-        while d.evaluations:  # the final evaluation
+        while d.evaluations():  # the final evaluation
             for future in d.wait_any(1.0):
-                self.take(future)
+                d.on_done(future)
         busy = d.client.run(_busy_spans)
         metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None})
-        metrics["live_versions_max"] = float(max((len(v) for _, v in d.live_history), default=0))
+        metrics["live_versions_max"] = float(d.live_versions_max)
         d.store.close()
         from storage.audit import audit_store
 
@@ -208,6 +130,62 @@ def _busy_spans(dask_worker):
     plugin = dask_worker.plugins.get("dora-rollout")
     server = getattr(plugin, "server", None)
     return None if server is None else list(server.busy.spans)
+
+
+# ---- observers ---------------------------------------------------------------------------------------------------
+def tracking_observer(tracker: Tracker):
+    """Per-update metrics at step = update, held-out accuracy at step = policy version (0 is the initial policy)."""
+
+    def observe(event) -> None:
+        if isinstance(event, Published):
+            tracker.log_update(event.update, event.metrics)
+        elif isinstance(event, Evaluated) and event.accuracy is not None:
+            tracker.log_update(event.version, {"accuracy": event.accuracy})
+
+    return observe
+
+
+def live_observer(live: LiveView):
+    def observe(event) -> None:
+        if isinstance(event, Turn):
+            m = event.metrics
+            live.update(event.next_update, event.newest, event.live_versions, event.in_flight,
+                        m.get("reward_mean", float("nan")), m.get("tokens_per_s", 0.0), int(m.get("staleness_max", 0)),
+                        m.get("reward_failure_share", 0.0))
+        elif isinstance(event, TrainerRestored):
+            optimizer = f"the optimizer state of {event.optimizer_from}" if event.optimizer_from else \
+                "a FRESH optimizer state"
+            live.event(f"trainer lost ({event.why}); restored at version {event.version} with {optimizer}")
+        elif isinstance(event, Evaluated) and event.accuracy is None:
+            live.event(f"evaluation of version {event.version} failed ({event.error}); training goes on")
+
+    return observe
+
+
+# ---- the initial policy and the workers' plugins -----------------------------------------------------------------
+def cache_root() -> str:
+    return os.environ.get("DORA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dora"))
+
+
+def initial_policy(cfg: Config) -> str:
+    """The model path given, or a warm-started policy (cached by its settings)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from dora_tasks.warmstart import warm_start, warmstart_settings
+
+    digest = hashlib.sha1(json.dumps(warmstart_settings(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return warm_start(cfg, os.path.join(cache_root(), "warmstart", digest))
+
+
+def publish_initial(weights: WeightStore, model_path: str) -> None:
+    """Version 0 is the initial policy, copied into the weight store like every later version."""
+    if 0 not in weights.versions():
+        weights.publish(0, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True))
+
+
+def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str) -> None:
+    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root))
+    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature))
 
 
 # ---- opening a run -----------------------------------------------------------------------------------------------
@@ -299,7 +277,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         if cluster is not None:
             stack.callback(cluster.close)
         stack.callback(client.close)
-        workers = wait_for_workers(client, max(30.0, cfg.cluster.connect_timeout_s))
+        wait_for_workers(client, max(MIN_WORKER_WAIT_S, cfg.cluster.connect_timeout_s))
         model_path = initial_policy(cfg)
         check_engines(cfg, model_path, train_prompts)  # again, with the real initial policy
         weights = WeightStore(cfg.storage.resolved("weight_store"))
@@ -315,15 +293,16 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         live = LiveView(cfg.tracking.live_view)
         stack.callback(live.close)
         driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints)
-        run = Run(cfg, driver, tracker, live, checkpoints, cluster, workers)
+        run = Run(cfg, driver, tracker, live, checkpoints)
         if ckpt is not None:
             _restore(run, ckpt)
         elif resume_dir:
             driver.retain_weights(drop_unseen=True)  # started again: versions of the stopped attempt go
         run.log_kept_updates()
+        driver.subscribe(tracking_observer(tracker))
+        driver.subscribe(live_observer(live))
         driver.sync_instances()
         driver.warm_up()  # engines loaded and the current version evaluated before the clock starts
-        run.log_accuracy()
         yield run
 
 

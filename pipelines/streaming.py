@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pipelines.driver import Driver
 from pipelines.orchestrator import Start
-from pipelines.run import Run, open_run
+from pipelines.run import open_run
 
 TICK_S = 0.5
 
 
-def stream(d: Driver, run: Run, on_turn=None) -> None:
+def stream(d: Driver, on_turn=None) -> None:
     """Drive the run to `dora.num_updates`; `on_turn(driver)` is called once a turn (tests inject faults there)."""
     while d.gate.next_update < d.cfg.dora.num_updates:
         d.sync_instances()
@@ -28,11 +28,10 @@ def stream(d: Driver, run: Run, on_turn=None) -> None:
                 d.submit_group(action)  # rollout(v)
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
-        d.note_live_versions()
         for future in d.wait_any(TICK_S):  # whichever finishes first
-            run.take(future)
+            d.on_done(future)
         d.submit_scoring()  # the groups that finished rolling out -> reward -> advantage
-        run.show_progress()
+        d.end_turn()
         if on_turn is not None:
             on_turn(d)
 
@@ -40,14 +39,14 @@ def stream(d: Driver, run: Run, on_turn=None) -> None:
 def run_pipeline(cfg) -> "RunSummary":  # noqa: F821
     """Run a job from scratch; returns its summary (paths, metrics, audit)."""
     with open_run(cfg) as run:
-        stream(run.driver, run)
+        stream(run.driver)
         return run.finish()
 
 
 def resume_pipeline(run_dir: str, overrides: list[str] | None = None) -> "RunSummary":  # noqa: F821
     """Continue a run from its last checkpoint (the driver was killed, or its trainer died)."""
     with open_run(None, resume_dir=run_dir, overrides=overrides or []) as run:
-        stream(run.driver, run)
+        stream(run.driver)
         return run.finish()
 
 

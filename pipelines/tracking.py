@@ -38,7 +38,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pipelines.config import Config
+from dora_tasks.core.config import Config
 
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the run folder: the MLflow run of its latest start or resume
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dora_tasks.records import Group, Prompt, Trajectory
+from dora_tasks.core.records import Group, Prompt, Trajectory
 from storage.trajectory_store import TrajectoryStore
 
 

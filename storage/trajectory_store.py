@@ -43,7 +43,7 @@ import zarr.api.asynchronous
 from zarr.codecs import BloscCodec
 from zarr.core.sync import sync
 
-from dora_tasks.records import Group
+from dora_tasks.core.records import Group
 from storage import _zarr_io as zio
 from storage.schema import (COLUMNS, FORMAT_NAME, METRICS_ARRAY, OTHER_ERROR, RAGGED, RAGGED_COUNTERS,
                             REWARD_ERROR_MAX_VOCAB, SCHEMA_VERSION, TABLES, VOCAB_COLUMNS, ChunkSizes,

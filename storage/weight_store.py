@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Callable
 
-from dora_tasks.records import PublishedWeights
+from dora_tasks.core.records import PublishedWeights
 from storage import _fsutil
 from storage._zarr_io import local_path
 

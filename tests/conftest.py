@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pipelines.config import Config, load_config  # noqa: E402
+from dora_tasks.core.config import Config, load_config  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -17,8 +17,8 @@ from dora_tasks.algorithms import (LossNorm, UnknownAlgorithmError, advantage_na
                                    group_is_degenerate, loss_names, overlong_shaping, register_advantage)
 from dora_tasks.algorithms import registry
 from dora_tasks.algorithms.objective import batch_tensors, micro_batches, plan_micro_batches
-from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
-from pipelines.config import ConfigError, TrainConfig
+from dora_tasks.core.records import Group, Prompt, TrainBatch, Trajectory
+from dora_tasks.core.config import ConfigError, TrainConfig
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=60, deadline=None)

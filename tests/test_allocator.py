@@ -8,8 +8,8 @@ import sys
 import pytest
 from distributed import Client, LocalCluster
 
+from dora_tasks.core.config import TrainConfig
 from dora_tasks.plugins import TrainerPlugin
-from pipelines.config import TrainConfig
 
 ALLOCATIONS = 200  # of 1 MiB: 256 pages each when mmapped
 

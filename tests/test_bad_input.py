@@ -8,8 +8,8 @@ import time
 import pytest
 
 from pipelines.cluster import ClusterError
-from pipelines.config import ConfigError, load_config
-from pipelines.driver import RunFolderError
+from dora_tasks.core.config import ConfigError, load_config
+from pipelines.run import RunFolderError
 from pipelines.streaming import run_pipeline
 from dora_tasks.workloads.datasets import DatasetError
 

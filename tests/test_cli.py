@@ -10,8 +10,8 @@ import types
 import pytest
 import yaml
 
+from dora_tasks.core.config import load_config
 from pipelines import cli
-from pipelines.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
@@ -34,6 +34,8 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     (["config", "max_staleness=1"], "max_staleness=1"),  # malformed override: no section
     (["run", "--config", "no/such/file.yaml"], "no/such/file.yaml"),
     (["warmstart", "train.engine=jax"], "train.engine"),
+    (["config", "train.advantage=gae"], "train.advantage: got 'gae', allowed: dapo, "),  # the registry's names
+    (["run", "train.loss=sft"], "train.loss: got 'sft', allowed: decoupled_ppo, "),  # checked on load, before work
     (["resume", "no/such/run"], "no/such/run"),
     (["resume", ".", "oops"], "oops"),
     (["audit", "no/such/store.zarr"], "no/such/store.zarr"),
@@ -175,7 +177,7 @@ def test_unreachable_cluster_is_one_line_but_other_runtime_errors_are_not(capsys
 def test_warmstart_and_audit_arguments(capsys, monkeypatch, tmp_path):
     seen = {}
     fake_module(monkeypatch, "dora_tasks.warmstart", warm_start=lambda cfg, out: seen.setdefault("out", out))
-    fake_module(monkeypatch, "pipelines.driver", initial_policy=lambda cfg: seen.setdefault("cached", "/cache/x"))
+    fake_module(monkeypatch, "pipelines.run", initial_policy=lambda cfg: seen.setdefault("cached", "/cache/x"))
     fake_module(monkeypatch, "storage.audit", main=lambda argv, **_: seen.setdefault("argv", argv) and 1)
     code, out, _ = run_main(capsys, "warmstart", "--out", str(tmp_path / "ws"))
     assert code == 0 and seen["out"] == str(tmp_path / "ws") and f"model.path={tmp_path / 'ws'}" in out

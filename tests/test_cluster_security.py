@@ -19,9 +19,9 @@ import psutil
 import pytest
 from distributed import Client, Security
 
+from dora_tasks.core.config import ConfigError, load_config
 from dora_tasks.plugins import WORKER_ENV
 from pipelines.cluster import ClusterError, connect, security, wait_for_workers
-from pipelines.config import ConfigError, load_config
 from pipelines.streaming import run_pipeline
 from storage.audit import audit_store
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from dora_tasks.core.config import TaskConfig
 from dora_tasks.model import BOS_ID, CharTokenizer
 from dora_tasks.workloads import countdown, rewards
 from dora_tasks.workloads.datasets import DatasetError, load_prompts
 from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn, score, score_all
-from pipelines.config import TaskConfig
 
 TOK = CharTokenizer()
 ROWS = [{"question": f"what is {i} + {i}?", "solution": str(2 * i), "extra": i} for i in range(10)]

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from dora_tasks.algorithms.objective import batch_tensors, sequence_logprobs
 from dora_tasks.engines.factory import make_train_engine
 from dora_tasks.engines.torch_trainer import TorchTrainEngine
-from pipelines.config import ConfigError, TrainConfig
+from dora_tasks.core.config import ConfigError, TrainConfig
 from test_trainers import build_tiny_model, make_batch
 
 pytestmark = [pytest.mark.deepspeed,
@@ -201,8 +201,8 @@ def test_load_optimizer_state_keeps_the_published_weights_and_matches_torch(stag
         restarted.save_weights(str(tmp_path / "v4"))
     finally:
         restarted.close()
-    published = load_folder(tmp_path / "v3").state_dict()
-    assert all(torch.equal(v, load_folder(tmp_path / "loaded").state_dict()[k]) for k, v in published.items())
+    published, loaded = (load_folder(tmp_path / name).state_dict() for name in ("v3", "loaded"))
+    assert published.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in published.items())
     assert len(state) == len(saved) > 0
     for got, expected in zip(state, saved):
         assert got.keys() == expected.keys() == {"step", "exp_avg", "exp_avg_sq"} and float(got["step"]) == 2.0

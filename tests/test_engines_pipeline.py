@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from dora_tasks.core.config import ConfigError
 from dora_tasks.engines.preflight import VLLM_CPU_HEAD_SIZES, check_engines
 from dora_tasks.engines.rollout_factory import EngineConfigError
-from pipelines.config import ConfigError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -75,7 +75,7 @@ def engines_run(small_config, run_cache):
         start = time.perf_counter()
         try:
             with open_run(cfg) as run:
-                stream(run.driver, run)
+                stream(run.driver)
                 summary = run.finish()
                 reports = list(run.driver.client.run(_worker_report).values())
         except BaseException as exc:
@@ -263,8 +263,8 @@ def test_preflight_checks_a_gpu_model_against_its_context_length(tmp_path):
     read from its config.json alone; on an attached cluster only the model-shape checks apply."""
     from transformers import Qwen2Config
 
-    from dora_tasks.records import Prompt
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
+    from dora_tasks.core.records import Prompt
 
     Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,

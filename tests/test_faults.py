@@ -3,6 +3,7 @@ stopped before its first checkpoint, evaluations that fail or still need their w
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import time
 import pytest
 
 from pipelines import run as run_module
-from pipelines.driver import Driver, Evaluation, RewardFailureError
+from pipelines.driver import Driver, RewardFailureError
+from pipelines.events import EvaluationTask, TrainerRestored
 from pipelines.gate import VersionGate
 from pipelines.orchestrator import Orchestrator
 from pipelines.run import open_run
@@ -44,13 +46,13 @@ def test_the_trainer_killed_idle_in_an_update_and_at_a_checkpoint_the_run_goes_o
     N = 9
     cfg = small_config("dora.max_staleness=1", f"dora.num_updates={N}", "storage.checkpoint_interval=3")
     killed: list[str] = []
-    checkpoint = run_module.Run.checkpoint
+    checkpoint = Driver.checkpoint
 
-    def kill_before_the_first_checkpoint(run, update):
+    def kill_before_the_first_checkpoint(driver, update):
         if "checkpoint" not in killed:
             killed.append("checkpoint")
-            kill_trainer(run.driver)
-        checkpoint(run, update)
+            kill_trainer(driver)
+        checkpoint(driver, update)
 
     def kill_in_an_update_then_idle(d):
         if "update" not in killed and d.gate.next_update >= 4 and d.updates:
@@ -60,11 +62,15 @@ def test_the_trainer_killed_idle_in_an_update_and_at_a_checkpoint_the_run_goes_o
             killed.append("idle")
             kill_trainer(d)
 
-    monkeypatch.setattr(run_module.Run, "checkpoint", kill_before_the_first_checkpoint)
+    monkeypatch.setattr(Driver, "checkpoint", kill_before_the_first_checkpoint)
+    restored: list[TrainerRestored] = []
     with open_run(cfg) as run:
-        stream(run.driver, run, on_turn=kill_in_an_update_then_idle)
+        run.driver.subscribe(lambda e: restored.append(e) if isinstance(e, TrainerRestored) else None)
+        stream(run.driver, on_turn=kill_in_an_update_then_idle)
         summary = run.finish()
     assert killed == ["checkpoint", "update", "idle"]
+    assert len(restored) == 3 and restored[0].optimizer_from == ""  # no checkpoint before the first one
+    assert all(re.search(r"ckpt-00000[25]/trainer$", r.optimizer_from) for r in restored[1:])  # the latest one
     assert summary.audit_ok, summary.audit_text
     updates = TrajectoryStore.open(summary.store).read_table("updates")
     assert updates["update"].tolist() == list(range(N))
@@ -136,6 +142,9 @@ class FailedFuture:
     def exception(self):
         return FileNotFoundError("model.safetensors")
 
+    def add_done_callback(self, fn):
+        pass
+
 
 def bare_driver(small_config, tmp_path) -> Driver:
     cfg = small_config()
@@ -149,17 +158,16 @@ def bare_driver(small_config, tmp_path) -> Driver:
 
 def test_a_version_whose_evaluation_is_queued_is_kept_in_the_weight_store(small_config, tmp_path):
     d = bare_driver(small_config, tmp_path)
-    d.evaluations[object()] = Evaluation(version=1, attempt=0)
+    d.track(FailedFuture(), EvaluationTask(version=1, attempt=0))
     d.retain_weights()
     assert d.weights.versions() == [1, 3]
-    d.evaluations.clear()
+    d.tracked.clear()
     d.retain_weights()
     assert d.weights.versions() == [3]
 
 
 def test_a_failed_evaluation_is_recorded_and_never_stops_training(small_config, tmp_path):
     d = bare_driver(small_config, tmp_path)
-    future = FailedFuture()
-    d.evaluations[future] = Evaluation(version=2, attempt=1)  # its last attempt
-    assert d.on_evaluated(future) is None
-    assert d.eval_failures == 1 and not d.evaluations and 2 not in d.accuracy
+    future = d.track(FailedFuture(), EvaluationTask(version=2, attempt=1))  # its last attempt
+    d.on_done(future)
+    assert d.counters["eval_failures"] == 1 and not d.evaluations() and 2 not in d.accuracy

@@ -218,7 +218,7 @@ def test_gate_state_round_trips():
 def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_not_yet_scored():
     """Their rollout output may have died with the instance before the reward task fetched it: they restart too,
     on their own version; groups of the other instance and groups already scored are left alone."""
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
     from pipelines.driver import Driver, InFlight
 
     class Client:
@@ -252,7 +252,7 @@ def test_retaining_weights_keeps_a_version_the_trainer_published_ahead_of_the_dr
     """With update lookahead the trainer can publish v+1 before the driver has taken in v's publish: the driver's
     clean-up after v must not delete v+1, which a rollout may be about to load (a run failed on exactly this:
     `no *.safetensors file in .../v000008`). On resume (`drop_unseen`) such versions go: they are published again."""
-    from pipelines.config import load_config
+    from dora_tasks.core.config import load_config
     from pipelines.driver import Driver
     from storage.weight_store import WeightStore
 

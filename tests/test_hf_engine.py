@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from dora_tasks.core.config import ModelConfig, RolloutConfig
 from dora_tasks.engines.hf_rollout import HFRolloutEngine, WeightsError
 from dora_tasks.model import EOS_ID, CharTokenizer, build_model, save_policy
-from pipelines.config import ModelConfig, RolloutConfig
 
 TOK = CharTokenizer()
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2)

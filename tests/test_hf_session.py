@@ -9,11 +9,12 @@ import torch
 import transformers
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from dora_tasks.core.config import ModelConfig, RolloutConfig
+from dora_tasks.engines.decoding import _top_p
 from dora_tasks.engines.fast_session import FastDecodeSession, supports
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
-from dora_tasks.engines.hf_session import DecodeSession, _top_p
+from dora_tasks.engines.hf_session import DecodeSession
 from dora_tasks.model import CharTokenizer, build_model, save_policy
-from pipelines.config import ModelConfig, RolloutConfig
 
 TOK = CharTokenizer()
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2)

@@ -11,7 +11,7 @@ while the prompts it gets right only greedily (all-wrong groups when sampled, so
 Measured in-process on warm-started countdown policies (greedy held-out accuracy, 64-128 prompts):
 1e-3 -> collapse to 0.41 (from 0.84; from 0.58 at rollout temperature 0.6), 3e-4 -> slow gains on partly-right
 policies (0.33 -> 0.42 in 60 updates) and losses on nearly-solved ones (0.84 -> 0.70), 1e-4 -> flat over 60 updates.
-See pipelines/config.py (TrainConfig.lr) and benchmarks/results/learning.md.
+See dora_tasks/core/config.py (TrainConfig.lr) and benchmarks/results/learning.md.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from dora_tasks import steps
-from dora_tasks.algorithms import advantage_names, loss_names
+from dora_tasks.algorithms import advantage_names, check_config_names, loss_names
 from dora_tasks.algorithms.objective import batch_tensors, sequence_logprobs
+from dora_tasks.core.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, load_config
+from dora_tasks.core.records import Group, Prompt, TrainBatch, Trajectory
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.engines.torch_trainer import TorchTrainEngine
 from dora_tasks.model import CharTokenizer, build_model, save_policy
-from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
 from dora_tasks.workloads import countdown
-from pipelines.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, load_config
 
 TOK = CharTokenizer()
 COUNTS = (3, 17, 42, 150, 1009)  # prompts of 4 different lengths: left padding differs from row to row
@@ -135,15 +135,18 @@ def test_registered_algorithms_run_through_the_advantage_and_update_steps(policy
 
 
 def test_every_registered_name_is_accepted_and_an_unknown_one_is_refused_at_load_with_the_valid_names():
+    def load(override):  # what `dora run` / `dora config` do on load (pipelines.cli.load)
+        check_config_names(load_config(None, [override]).train)
+
     for name in advantage_names():
-        load_config(None, [f"train.advantage={name}"])
+        load(f"train.advantage={name}")
     for name in loss_names():
-        load_config(None, [f"train.loss={name}"])
+        load(f"train.loss={name}")
     with pytest.raises(ConfigError, match="train.advantage") as err:
-        load_config(None, ["train.advantage=gae"])
+        load("train.advantage=gae")
     assert "'gae'" in str(err.value) and all(n in str(err.value) for n in advantage_names())
     with pytest.raises(ConfigError, match="train.loss") as err:
-        load_config(None, ["train.loss=sft"])
+        load("train.loss=sft")
     assert all(n in str(err.value) for n in loss_names())
 
 

@@ -13,7 +13,7 @@ from dora_tasks.model import (BOS_ID, EOS_ID, PAD_ID, CharTokenizer, TokenizerEr
                               load_tokenizer, save_policy)
 from dora_tasks.warmstart import evaluate, rewards_of, warm_start
 from dora_tasks.workloads import countdown
-from pipelines.config import Config, ModelConfig, RolloutConfig, load_config
+from dora_tasks.core.config import Config, ModelConfig, RolloutConfig, load_config
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2)
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from dora_tasks.contracts import RolloutEngine
+from dora_tasks.core.config import ModelConfig, RolloutConfig
+from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.records import Generation
 from dora_tasks.model import EOS_ID, CharTokenizer, build_model, save_policy
-from dora_tasks.records import Generation
 from dora_tasks.rollout_server import RolloutServer
-from pipelines.config import ModelConfig, RolloutConfig
 
 FILLER = 5
 

@@ -70,7 +70,7 @@ def test_a_rollout_worker_killed_mid_run_leaves_a_clean_audit(small_config):
             killed.append((busy[0], sorted(d.orchestrator.instances[busy[0]].running)))
 
     with open_run(cfg) as run:
-        stream(run.driver, run, on_turn=kill_a_busy_instance)
+        stream(run.driver, on_turn=kill_a_busy_instance)
         summary = run.finish()
     assert killed, "no instance was busy to kill"
     report = audit_store(summary.store, 1)
@@ -117,15 +117,17 @@ def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_
     from pipelines.streaming import stream
 
     cfg = small_config(*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=8")
+    from pipelines.events import ScoringSubmitted
+
     batch_sizes: list[int] = []
 
-    def note_scoring_batches(d):
-        batch_sizes.extend(len(gids) for key, gids in d.scoring.items() if key not in seen)
-        seen.update(d.scoring)
+    def note_scoring_batches(event):
+        if isinstance(event, ScoringSubmitted):
+            batch_sizes.append(len(event.group_ids))
 
-    seen: set = set()
     with open_run(cfg) as run:
-        stream(run.driver, run, on_turn=note_scoring_batches)
+        run.driver.subscribe(note_scoring_batches)
+        stream(run.driver)
         summary = run.finish()
         batches = run.driver.scoring_batches
     report = audit_store(summary.store, 3)

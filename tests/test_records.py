@@ -5,7 +5,7 @@ import numpy as np
 from distributed.protocol import dumps, loads
 from distributed.protocol.serialize import ToPickle
 
-from dora_tasks.records import Group, Prompt, Trajectory
+from dora_tasks.core.records import Group, Prompt, Trajectory
 
 
 def trajectory(sample_idx: int) -> Trajectory:

@@ -14,13 +14,13 @@ import reward_fixtures as fx
 from distributed import Client, LocalCluster
 
 from dora_tasks import steps
+from dora_tasks.core.config import ConfigError, ModelConfig, load_config
+from dora_tasks.core.records import Group, Prompt, Trajectory
 from dora_tasks.model import CharTokenizer, build_model
-from dora_tasks.records import Group, Prompt, Trajectory
 from dora_tasks.warmstart import rewards_of
 from dora_tasks.workloads import countdown
 from dora_tasks.workloads.reward_pool import RewardPool
 from dora_tasks.workloads.rewards import NOT_SCORED, score_isolated, score_parallel
-from pipelines.config import ConfigError, ModelConfig, load_config
 
 MEMORY = 256 * 2**20
 SLACK_S = 3.0  # a kill, a process start and a loaded 2-core machine

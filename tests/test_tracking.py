@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipelines import plots
-from pipelines.config import load_config
+from dora_tasks.core.config import load_config
 from pipelines.tracking import NullTracker, Tracker, TrackingWarning, finite_metrics, resolve_tracking_uri
 from synthetic_run import synthetic_tables
 

@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dora_tasks.algorithms import UnknownAlgorithmError
 from dora_tasks.algorithms.objective import batch_tensors, policy_objective, sequence_logprobs
+from dora_tasks.core.config import ConfigError, TrainConfig
+from dora_tasks.core.records import Group, Prompt, TrainBatch, Trajectory
 from dora_tasks.engines.factory import make_train_engine
 from dora_tasks.engines.hf_io import load_policy
 from dora_tasks.engines.torch_trainer import TorchTrainEngine
-from dora_tasks.records import Group, Prompt, TrainBatch, Trajectory
-from pipelines.config import ConfigError, TrainConfig
 
 torch.set_num_threads(1)
 VOCAB = 64

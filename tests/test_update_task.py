@@ -8,8 +8,8 @@ import time
 from distributed import Client, LocalCluster
 
 from dora_tasks import steps
+from dora_tasks.core.config import TrainConfig
 from dora_tasks.plugins import TrainerPlugin
-from pipelines.config import TrainConfig
 from storage.weight_store import WeightStore
 from tests.test_trainers import build_tiny_model, make_batch
 

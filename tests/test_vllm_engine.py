@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from dora_tasks.core.config import RolloutConfig
 from dora_tasks.engines.rollout_factory import EngineConfigError, rollout_engine_class
-from pipelines.config import RolloutConfig
 
 pytestmark = [
     pytest.mark.vllm,

@@ -6,9 +6,9 @@ at import time. Dispatch only through `get_advantage(name)` / `get_loss(name)`.
 from dora_tasks.algorithms import advantages, losses  # noqa: F401  (registers the built-in algorithms)
 from dora_tasks.algorithms.advantages import group_is_degenerate, overlong_shaping
 from dora_tasks.algorithms.losses import LossNorm, aggregate, reference_kl
-from dora_tasks.algorithms.registry import (UnknownAlgorithmError, advantage_names, get_advantage, get_loss,
-                                            loss_names, register_advantage, register_loss)
+from dora_tasks.algorithms.registry import (UnknownAlgorithmError, advantage_names, check_config_names, get_advantage,
+                                            get_loss, loss_names, register_advantage, register_loss)
 
-__all__ = ["UnknownAlgorithmError", "advantage_names", "get_advantage", "get_loss", "loss_names",
+__all__ = ["UnknownAlgorithmError", "advantage_names", "check_config_names", "get_advantage", "get_loss", "loss_names",
            "register_advantage", "register_loss", "group_is_degenerate", "overlong_shaping", "LossNorm", "aggregate",
            "reference_kl"]

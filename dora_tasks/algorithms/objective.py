@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dora_tasks.algorithms.losses import LossNorm, aggregate, masked_mean, reference_kl
 from dora_tasks.algorithms.registry import get_advantage, get_loss
-from dora_tasks.records import TrainBatch
+from dora_tasks.core.records import TrainBatch
 
 Backward = Callable[[Tensor, bool], None]  # (micro-batch loss, is last micro-batch) -> None
 

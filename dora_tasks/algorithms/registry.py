@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+from dora_tasks.core.config import ConfigError
+
 F = TypeVar("F", bound=Callable)
 
 _ADVANTAGES: dict[str, Callable] = {}
@@ -67,3 +69,13 @@ def advantage_names() -> list[str]:
 
 def loss_names() -> list[str]:
     return sorted(_LOSSES)
+
+
+def check_config_names(train_cfg) -> None:
+    """`ConfigError` naming the key and the registered names unless `train.advantage` and `train.loss` (a
+    `TrainConfig`) are registered. The config lives below the registry and cannot check them itself: whoever loads
+    a config to run it calls this (`dora config`, `dora run`, the engine preflight)."""
+    for key, name, names in (("train.advantage", train_cfg.advantage, advantage_names()),
+                             ("train.loss", train_cfg.loss, loss_names())):
+        if name not in names:
+            raise ConfigError(f"{key}: got {name!r}, allowed: {', '.join(names)}")

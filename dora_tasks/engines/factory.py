@@ -1,7 +1,7 @@
 """Choose the training backend from `train.engine`. DeepSpeed is imported only when it is chosen."""
 from __future__ import annotations
 
-from dora_tasks.contracts import TrainEngine
+from dora_tasks.core.contracts import TrainEngine
 
 
 def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature: float = 1.0) -> TrainEngine:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dora_tasks.engines.hf_session import SessionRows, sample_next
-from dora_tasks.records import Generation
+from dora_tasks.core.records import Generation
+from dora_tasks.engines.decoding import SessionRows, sample_next
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _MIN_LENGTH = 64

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from dora_tasks.algorithms import get_advantage, get_loss
-from dora_tasks.records import TrainBatch
+from dora_tasks.core.records import TrainBatch
 
 SINGLE_FILE_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",

@@ -27,10 +27,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from dora_tasks.contracts import RolloutEngine
-from dora_tasks.model import EOS_ID, PAD_ID, load_causal_lm
-from dora_tasks.records import Generation
-from pipelines.config import RolloutConfig
+from dora_tasks.core.config import RolloutConfig
+from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.records import Generation
+from dora_tasks.engines.decoding import left_pad
+from dora_tasks.model import EOS_ID, load_causal_lm
 
 
 GREEDY_CHUNK = 16  # tokens per decode call of greedy `generate` on the fast session: ended rows leave between calls
@@ -59,19 +60,6 @@ def load_weights_in_place(model: torch.nn.Module, folder: str) -> None:
     if unexpected or set(missing) - tied:
         raise WeightsError(f"{folder!r} does not fit the model: missing {sorted(set(missing) - tied)}, "
                            f"unexpected {sorted(unexpected)}")
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both [B, max_len], pad on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError("empty prompt: a prompt needs at least its bos token")
-        ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
 
 
 def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int,

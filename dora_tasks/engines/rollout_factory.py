@@ -5,14 +5,14 @@ Both backends are imported lazily, by module name, inside `make_rollout_engine`:
 rollouts.
 
 `EngineConfigError` lives here because it is engine-agnostic and this module is the one every caller goes through.
-(Simplification: it would sit better in `dora_tasks.contracts`, next to `RolloutEngine`.)
+(Simplification: it would sit better in `dora_tasks.core.contracts`, next to `RolloutEngine`.)
 """
 from __future__ import annotations
 
 import importlib
 
-from dora_tasks.contracts import RolloutEngine
-from pipelines.config import RolloutConfig
+from dora_tasks.core.config import RolloutConfig
+from dora_tasks.core.contracts import RolloutEngine
 
 
 class EngineConfigError(ValueError):

@@ -13,7 +13,8 @@ import os
 import torch
 
 from dora_tasks.algorithms.objective import policy_objective
-from dora_tasks.contracts import TrainEngine
+from dora_tasks.core.contracts import TrainEngine
+from dora_tasks.core.records import TrainBatch
 from dora_tasks.engines.hf_io import (
     check_train_config,
     default_device,
@@ -21,7 +22,6 @@ from dora_tasks.engines.hf_io import (
     timed_train_step,
     write_hf_folder,
 )
-from dora_tasks.records import TrainBatch
 
 CHECKPOINT_FILE = "trainer.pt"
 

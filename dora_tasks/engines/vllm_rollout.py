@@ -46,10 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dora_tasks.contracts import RolloutEngine
+from dora_tasks.core.config import RolloutConfig
+from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.records import Generation
 from dora_tasks.engines.rollout_factory import EngineConfigError
-from dora_tasks.records import Generation
-from pipelines.config import RolloutConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_DTYPE = "float32"  # what `make_rollout_engine` starts (it passes no dtype); see the module docstring

@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from dora_tasks.records import Prompt
+from dora_tasks.core.records import Prompt
 
 STEPS = (10,)  # a tuple so that more steps can come back; every helper below handles any set
 _PROMPT = re.compile(r"count (\d+) step (\d+):")

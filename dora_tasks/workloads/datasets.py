@@ -17,10 +17,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dora_tasks.core.config import TaskConfig
+from dora_tasks.core.records import Prompt
 from dora_tasks.model import render_messages
-from dora_tasks.records import Prompt
 from dora_tasks.workloads import countdown
-from pipelines.config import TaskConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # countdown eval prompts use seed + this, so they never share the train stream
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from dora_tasks.records import Generation, TrainBatch
+from dora_tasks.core.records import Generation, TrainBatch
 
 
 class RolloutEngine(ABC):

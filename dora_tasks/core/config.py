@@ -2,6 +2,11 @@
 
 `load_config(path, overrides)` reads YAML, applies dotted overrides (`dora.max_staleness=3`), builds the dataclasses
 and validates them. Every problem raises `ConfigError` with the offending key and what is allowed.
+
+Simplified: this module is on the ground floor (`dora_tasks.core`) and cannot see the algorithm registry above it, so
+`train.advantage` and `train.loss` are checked against the registered names by the registry itself
+(`dora_tasks.algorithms.check_config_names`), which `dora config`, `dora run` and the engine preflight call right
+after loading.
 """
 from __future__ import annotations
 
@@ -137,9 +142,9 @@ class RolloutConfig:
 class TrainConfig:
     engine: str = "torch"  # "torch" (plain, fallback) or "deepspeed"
     zero_stage: int = 0
-    advantage: str = "grpo"  # estimator name in the dora_tasks.algorithms registry (checked at load; custom ones
-    #                          must be registered, i.e. their module imported, before the config is loaded)
-    loss: str = "ppo_clip"  # policy-loss name in the dora_tasks.algorithms registry (checked at load likewise)
+    advantage: str = "grpo"  # estimator name in the dora_tasks.algorithms registry (checked after load by
+    #                          `check_config_names`; custom ones must be registered, i.e. their module imported, first)
+    loss: str = "ppo_clip"  # policy-loss name in the dora_tasks.algorithms registry (checked likewise)
     lr: float = 3e-4  # Adam step size, for the tiny CPU policies: larger steps collapse them, smaller ones leave
     #                   them unchanged (docs/benchmark.md, "Learning rate"); a pretrained LLM wants ~1e-6
     #                   (gpu_qwen_math.yaml)
@@ -158,10 +163,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         _choice(self.engine, "train.engine", ("torch", "deepspeed"))
-        from dora_tasks.algorithms import advantage_names, loss_names  # lazy: the registry imports torch
-
-        _choice(self.advantage, "train.advantage", tuple(advantage_names()))
-        _choice(self.loss, "train.loss", tuple(loss_names()))
         _choice(self.loss_agg, "train.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
         _require(self.loss_norm_len >= 0, "train.loss_norm_len", f"must be >= 0, got {self.loss_norm_len}")
         _require(self.importance_cap >= 1, "train.importance_cap", f"must be >= 1, got {self.importance_cap}")

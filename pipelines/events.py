@@ -1,0 +1,102 @@
+"""What the driver waits on and what it tells observers: small typed records, no behaviour.
+
+Tasks: each future the driver waits on is tracked with one of these, and `Driver.on_done` dispatches on its type.
+Events: what happened, emitted to the driver's observers (MLflow tracking, the live view, benchmarks' probes), which
+read them and never change the driver.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# ---- tasks -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolloutTask:
+    group_id: int
+    version: int
+    instance: str
+
+
+@dataclass(frozen=True)
+class ScoringTask:
+    """reward(groups) -> advantage(groups) of the groups one instance finished in one turn; tracked by advantage."""
+
+    number: int
+    group_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UpdateTask:
+    update: int  # gate(u) -> update(u), which publishes version u + 1
+
+
+@dataclass(frozen=True)
+class EvaluationTask:
+    version: int
+    attempt: int
+
+
+Task = RolloutTask | ScoringTask | UpdateTask | EvaluationTask
+
+
+# ---- events ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupRolledOut:
+    group_id: int
+    at: float
+
+
+@dataclass(frozen=True)
+class ScoringSubmitted:
+    group_ids: tuple[int, ...]
+    at: float
+
+
+@dataclass(frozen=True)
+class GroupsScored:
+    group_ids: tuple[int, ...]
+    at: float
+
+
+@dataclass(frozen=True)
+class UpdateSubmitted:
+    update: int
+    group_ids: tuple[int, ...]
+    at: float
+
+
+@dataclass(frozen=True)
+class Published:
+    """Update `update` ended and version `update + 1` is taken in; `metrics` are also in the store's update row."""
+
+    update: int
+    metrics: dict[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    version: int
+    accuracy: float | None  # None: the evaluation failed (see `error`)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TrainerRestored:
+    why: str
+    version: int
+    optimizer_from: str  # checkpoint folder of its optimizer state; "" = a fresh optimizer
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The end of one turn of the streaming loop: the state the live view shows."""
+
+    next_update: int
+    newest: int
+    live_versions: tuple[int, ...]
+    in_flight: int
+    metrics: dict[str, float] = field(hash=False)
+
+
+Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | Published | Evaluated
+         | TrainerRestored | Turn)
