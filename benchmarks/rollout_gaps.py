@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = one_run.parser(__doc__.split("\n")[0], "runs/rollout_gaps")
     args = parser.parse_args(argv)
 
-    from pipelines.run import _busy_spans, open_run
+    from pipelines.run import busy_spans, open_run
     from pipelines.streaming import stream
 
     cfg = one_run.config(args)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with open_run(cfg) as run:
         stream(run.driver, record)
-        spans = next(s for s in run.driver.client.run(_busy_spans).values() if s)
+        spans = next(s for s in run.driver.client.run(busy_spans).values() if s)
         start, end = run.driver.timeline.steady_window()
         summary = run.finish()
     print(f"K={args.staleness} {' '.join(args.overrides)}: rollout bubble {summary.metrics['rollout_bubble']:.1%}, "

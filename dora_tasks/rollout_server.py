@@ -43,8 +43,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dora_tasks.core.contracts import RolloutEngine
+from dora_tasks.core.contracts import DecodeSession, RolloutEngine
 from dora_tasks.core.records import Generation
+
+
+CHUNK_SEED_STRIDE = 7919  # a prime: the seeds of a batch's successive chunks do not collide
 
 
 @dataclass
@@ -168,10 +171,7 @@ class RolloutServer:
 
     def _serve(self, batch: list[_Request]) -> None:
         if self._chunk:
-            if self._keep_kv_cache and hasattr(self._started(), "open_session"):
-                self._serve_session(batch)
-            else:
-                self._serve_chunked(batch)
+            self._serve_session(batch)
             return
         engine = self._ensure(batch[0].version, batch[0].weights_path)
         start = time.time()
@@ -182,40 +182,13 @@ class RolloutServer:
             request.done.set()
 
     # ---- continuous batching in chunks (and the partial-rollout baseline) -----------------------------------------
-    def _serve_chunked(self, batch: list[_Request]) -> None:
+    def _serve_session(self, batch: list[_Request]) -> None:
         """Generate chunk by chunk until every request of the batch, and of those that joined it, is answered.
 
         Each turn: load the batch's version (partial baseline: the newest published one), let waiting requests join,
-        generate one chunk for every live response, hand back the requests whose responses all ended.
-        """
-        active: list[tuple[_Request, list[_Partial]]] = []
-        pending = list(batch)
-        chunk_index = 0
-        try:
-            while pending or active:
-                active += [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
-                pending = []
-                engine = self._load_for([r for r, _ in active])
-                budget = engine.max_new_tokens
-                live = [s for _, states in active for s in states if not s.done(budget)]
-                if live:
-                    step = min(self._chunk, max(budget - len(s.tokens) for s in live))
-                    seed = active[0][0].seed + 7919 * chunk_index
-                    chunk_index += 1
-                    start = time.time()
-                    outs = engine.generate([s.prompt_ids + s.tokens for s in live], 1, seed, max_new_tokens=step)
-                    self.busy.spans.append((start, time.time()))
-                    for s, (g,) in zip(live, outs):
-                        s.extend(g, budget - len(s.tokens))
-                active, pending = self._end_turn(active, budget)
-        except BaseException as exc:
-            _fail([r for r, _ in active] + pending, exc)
-            raise
-
-    def _serve_session(self, batch: list[_Request]) -> None:
-        """Continuous batching with the KV cache kept between chunks (an engine with `open_session`): the same
-        turns as `_serve_chunked`, but a continuing response is re-encoded only when the loaded version changed
-        under it (the partial-rollout baseline), never otherwise."""
+        decode one chunk of every live response in the engine's session, hand back the requests whose responses all
+        ended. A session is opened anew (every live row re-encoded) only when the loaded version changed under it
+        (the partial-rollout baseline)."""
         session = None
         active: list[tuple[_Request, list[_Partial]]] = []
         pending = list(batch)
@@ -229,7 +202,7 @@ class RolloutServer:
                 budget = engine.max_new_tokens
                 live = {id(s): s for _, states in active for s in states if not s.done(budget)}
                 if session is None or session.version != engine.version:  # (re-)encode every live row
-                    session = engine.open_session()
+                    session = self._open_session(engine)
                     for key, s in live.items():
                         session.add(key, s.prompt_ids + s.tokens)
                 else:
@@ -239,7 +212,7 @@ class RolloutServer:
                 if live:
                     steps = {key: min(self._chunk, budget - len(s.tokens)) for key, s in live.items()}
                     start = time.time()
-                    outs = session.decode(steps, active[0][0].seed + 7919 * chunk_index)
+                    outs = session.decode(steps, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                     self.busy.spans.append((start, time.time()))
                     for key, g in outs.items():
@@ -249,6 +222,10 @@ class RolloutServer:
         except BaseException as exc:
             _fail([r for r, _ in active] + pending, exc)
             raise
+
+    def _open_session(self, engine: RolloutEngine) -> DecodeSession:
+        kept = engine.open_session() if self._keep_kv_cache else None
+        return kept if kept is not None else ReencodingSession(engine)
 
     def _end_turn(self, active: list, budget: int) -> tuple[list, list[_Request]]:
         """Answer the requests whose responses all ended; those that arrived during the chunk join the next one."""
@@ -277,6 +254,30 @@ class RolloutServer:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
+
+
+class ReencodingSession:
+    """The session of an engine that keeps no KV cache between calls (or with `rollout.keep_kv_cache` off): every
+    chunk re-encodes a row's prompt and tokens so far through `generate`, by the same weights (vLLM's prefix cache
+    keeps that cheap)."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine, self.version = engine, engine.version
+        self.rows: dict = {}
+
+    def add(self, key, token_ids) -> None:
+        self.rows[key] = list(token_ids)
+
+    def decode(self, steps: dict, seed: int) -> dict:
+        keys = list(steps)  # one call: the longest step; a row with less room keeps what fits (`_Partial.extend`)
+        outs = self.engine.generate([self.rows[k] for k in keys], 1, seed, max_new_tokens=max(steps.values()))
+        for key, (g,) in zip(keys, outs):
+            self.rows[key] += g.token_ids.tolist()
+        return {key: g for key, (g,) in zip(keys, outs)}
+
+    def drop(self, keys) -> None:
+        for key in keys:
+            self.rows.pop(key, None)
 
 
 def _hand_back_finished(active: list[tuple[_Request, list["_Partial"]]], budget: int) -> list:

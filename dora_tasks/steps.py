@@ -130,7 +130,7 @@ def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
     trainable = [g for g in batch.groups if not g.filtered]
     metrics = engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)) if trainable else {}
     if not trainable:
-        engine.version += 1
+        engine.skip_step()
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
     end = time.time()

@@ -66,6 +66,14 @@ class UpdateSubmitted:
 
 
 @dataclass(frozen=True)
+class VersionAssigned:
+    """The orchestrator assigned `instance` the policy `version` (its rollout server loads it with the next group)."""
+
+    instance: str
+    version: int
+
+
+@dataclass(frozen=True)
 class Published:
     """Update `update` ended and version `update + 1` is taken in; `metrics` are also in the store's update row."""
 
@@ -98,5 +106,5 @@ class Turn:
     metrics: dict[str, float] = field(hash=False)
 
 
-Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | Published | Evaluated
-         | TrainerRestored | Turn)
+Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | VersionAssigned | Published
+         | Evaluated | TrainerRestored | Turn)

@@ -14,7 +14,9 @@ them). The orchestrator decides, from events (instances joining and leaving, ver
 * **RBS groups in flight**: new groups are created only while fewer than RBS are in flight, within the capacity the
   version gate grants, and within the run's budget of groups.
 
-Every decision is logged (``self.log``) with the state it was taken in.
+`decide` returns its decisions: `Start` (a group on an instance) and `Load` (an instance assigned a version; the
+rollout server loads it when the first group of that version reaches it). The driver acts on the first and reports
+both to its observers.
 
 Free slots are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
 where engines share cores, spreading them over the least busy instances makes two engines contend for the cores
@@ -83,7 +85,6 @@ class Orchestrator:
     instances: dict[str, Instance] = field(default_factory=dict)
     running: dict[int, tuple[int, str]] = field(default_factory=dict)  # group_id -> (version, instance)
     queued: dict[int, deque] = field(default_factory=dict)  # version -> group ids waiting to (re)start on it
-    log: list[dict] = field(default_factory=list)
 
     # ---- events --------------------------------------------------------------------------------------------------
     def add_instance(self, address: str, slots: int) -> None:
@@ -98,7 +99,6 @@ class Orchestrator:
         for g in lost:
             version, _ = self.running.pop(g)
             self.queued.setdefault(version, deque()).append(g)
-        self._note("instance_lost", instance=address, requeued=lost)
         return lost
 
     def on_publish(self, version: int) -> None:
@@ -130,13 +130,11 @@ class Orchestrator:
             if self._may_queue_behind(inst, capacity):
                 inst.version = self.newest
                 actions.append(Load(inst.address, self.newest))
-                self._note("queued_load", instance=inst.address, version=self.newest, live=self.live_versions())
             if not inst.running:
                 target = self._target_version(inst, capacity)
                 if target != inst.version:
                     inst.version = target
                     actions.append(Load(inst.address, target))
-                    self._note("load", instance=inst.address, version=target, live=self.live_versions())
             while inst.free > 0:
                 start = self._next_start(inst, capacity)
                 if start is None:
@@ -193,9 +191,6 @@ class Orchestrator:
         if not candidates:
             return self.newest
         return max(candidates, key=lambda v: (n * work[v] / total - serving[v], v))
-
-    def _note(self, kind: str, **details) -> None:
-        self.log.append({"kind": kind, "newest": self.newest, **details})
 
     # ---- checks and persistence ----------------------------------------------------------------------------------
     def validate(self) -> None:

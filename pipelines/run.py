@@ -98,7 +98,7 @@ class Run:
         while d.evaluations():  # the final evaluation
             for future in d.wait_any(1.0):
                 d.on_done(future)
-        busy = d.client.run(_busy_spans)
+        busy = d.client.run(busy_spans)
         metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None})
         metrics["live_versions_max"] = float(d.live_versions_max)
         d.store.close()
@@ -126,7 +126,8 @@ class Run:
                           self.driver.accuracy)
 
 
-def _busy_spans(dask_worker):
+def busy_spans(dask_worker):
+    """(start, end) spans in which a rollout instance decoded (`client.run` on every worker; None elsewhere)."""
     plugin = dask_worker.plugins.get("dora-rollout")
     server = getattr(plugin, "server", None)
     return None if server is None else list(server.busy.spans)

@@ -13,6 +13,7 @@ once; finished groups stream into the next batch; the gate keeps every batch wit
 from __future__ import annotations
 
 from pipelines.driver import Driver
+from pipelines.events import VersionAssigned
 from pipelines.orchestrator import Start
 from pipelines.run import open_run
 
@@ -26,6 +27,8 @@ def stream(d: Driver, on_turn=None) -> None:
         for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v)
+            else:
+                d.emit(VersionAssigned(action.instance, action.version))
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         for future in d.wait_any(TICK_S):  # whichever finishes first

@@ -1,8 +1,11 @@
-"""Advantage estimators: pure tensor functions, registered by name.
+"""Advantage estimators: pure tensor functions over one group, registered by name.
 
-Shapes: `rewards` float [B] (one scalar per trajectory), `group_index` long [B] (any integer id; equal ids = same
-prompt's group), `response_mask` [B,T] (1 on response tokens). Every estimator returns float32 [B,T]: the trajectory's
-scalar advantage broadcast over its response tokens, 0 elsewhere.
+Contract: `fn(rewards: Tensor[G]) -> Tensor[G]`. `rewards` holds the outcome rewards of the G trajectories of one
+prompt (any float dtype, finite, G >= 1); the result is float32 [G], one scalar advantage per trajectory, in the same
+order. An estimator sees one group and nothing else: the pipeline scores each group as soon as it is complete, on a CPU
+worker, before the gate decides which update it joins, so no batch exists when advantages are computed.
+`group_advantages(estimator, rewards)` is the one place that calls an estimator (the advantage task,
+`steps.group_advantage`, uses it); the trainer only broadcasts each trajectory's scalar over its response tokens.
 
 How these differ from their papers, and why:
 - All are outcome-reward estimators (one scalar per response): the tasks here have verifiable final-answer rewards,
@@ -13,9 +16,13 @@ How these differ from their papers, and why:
   and too-hard prompts). Its other half, the length-unbiased loss aggregation, is `train.loss_agg =
   seq_mean_token_sum_norm`.
 - `rloo` (Ahmadian et al. 2024): r_i - mean of the other G-1 rewards of the group, i.e. G/(G-1) (r_i - mean_g).
-- `reinforce_pp_baseline` (REINFORCE++ with a group baseline, as in verl): r - mean_g, broadcast to tokens, then
-  whitened over all response tokens of the batch (so longer responses weigh more in the statistics, as in verl).
-  REINFORCE++'s per-token KL-in-reward is not folded in here; KL to a reference is a loss term (`train.kl_coef`).
+- `reinforce_pp_group`: REINFORCE++-baseline reduced to what one group allows. verl and OpenRLHF subtract the group
+  mean and then whiten over every response token of the whole training batch; that batch does not exist here (see
+  above), and whitening it in the trainer would be a second place that changes advantages, after the recorded
+  `Trajectory.advantage` was written. So the estimator whitens within the group: (r - mean_g) / sqrt(var_g + 1e-8),
+  the group's unbiased variance and verl's whitening epsilon. That is GRPO up to where the epsilon sits, and the name
+  says so rather than promising batch statistics. Without token lengths the statistics are per trajectory, not per
+  token. REINFORCE++'s per-token KL-in-reward is not folded in; KL to a reference is a loss term (`train.kl_coef`).
 - `dapo` (Yu et al. 2025): DAPO's advantage is GRPO's. Its other parts live elsewhere: clip-higher is
   `train.clip_high > train.clip_low`, token-level aggregation is `train.loss_agg = token_mean`, dynamic sampling is
   `group_is_degenerate` (the caller records the group as filtered, it is never dropped silently) and the soft
@@ -27,77 +34,63 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dora_tasks.algorithms.registry import register_advantage
+from dora_tasks.algorithms.registry import get_advantage, register_advantage
 
 EPS = 1e-6  # added to the group std (verl's default epsilon)
 WHITEN_EPS = 1e-8  # added to the variance when whitening (verl's masked_whiten)
 
 
-def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-trajectory (group mean, unbiased group std, group size), each [B]; a singleton group gets mean 0, std 1."""
-    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    counts_f = counts.to(rewards.dtype)
-    sums = torch.zeros_like(counts_f).index_add_(0, inverse, rewards)
-    mean = sums / counts_f
-    squares = torch.zeros_like(counts_f).index_add_(0, inverse, (rewards - mean[inverse]) ** 2)
-    std = torch.sqrt(squares / (counts_f - 1).clamp(min=1))
-    single = counts == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    return mean[inverse], std[inverse], counts_f[inverse]
+def group_advantages(estimator: str, rewards) -> Tensor:
+    """The advantages float32 [G] of one group's trajectories from their rewards [G] (array-like; NaN, a failed
+    reward, counts as 0) by the registered estimator named `estimator`."""
+    scores = np.nan_to_num(np.asarray(rewards, dtype=np.float32).reshape(-1), nan=0.0)
+    return get_advantage(estimator)(torch.from_numpy(scores))
 
 
-def _per_token(scores: Tensor, response_mask: Tensor) -> Tensor:
-    return scores[:, None] * response_mask.to(torch.float32)
+def _baseline(rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(rewards as float32 [G], group mean, unbiased group std); a group of one has no baseline: mean 0, std 1."""
+    if rewards.dim() != 1 or rewards.numel() == 0:
+        raise ValueError(f"an advantage estimator takes one group's rewards [G], G >= 1; got shape "
+                         f"{tuple(rewards.shape)}")
+    r = rewards.to(torch.float32)
+    if r.numel() == 1:
+        return r, r.new_zeros(()), r.new_ones(())
+    return r, r.mean(), r.std()  # torch.std is unbiased (Bessel) by default
 
 
 @register_advantage("grpo")
-def grpo(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
-    """(r - group mean) / (group std + eps), broadcast over response tokens. [B],[B],[B,T] -> [B,T]."""
-    rewards = rewards.to(torch.float32)
-    mean, std, _ = _group_stats(rewards, group_index)
-    return _per_token((rewards - mean) / (std + EPS), response_mask)
+def grpo(rewards: Tensor) -> Tensor:
+    """(r - group mean) / (group std + eps). [G] -> [G]."""
+    r, mean, std = _baseline(rewards)
+    return (r - mean) / (std + EPS)
 
 
 @register_advantage("dr_grpo")
-def dr_grpo(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
-    """r - group mean (no std division). [B],[B],[B,T] -> [B,T]."""
-    rewards = rewards.to(torch.float32)
-    mean, _, _ = _group_stats(rewards, group_index)
-    return _per_token(rewards - mean, response_mask)
+def dr_grpo(rewards: Tensor) -> Tensor:
+    """r - group mean (no std division). [G] -> [G]."""
+    r, mean, _ = _baseline(rewards)
+    return r - mean
 
 
 @register_advantage("rloo")
-def rloo(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
-    """r_i - mean of the group's other rewards = G/(G-1) (r_i - group mean); singletons keep r.
-
-    [B],[B],[B,T] -> [B,T].
-    """
-    rewards = rewards.to(torch.float32)
-    mean, _, counts = _group_stats(rewards, group_index)
-    scale = torch.where(counts > 1, counts / (counts - 1).clamp(min=1), torch.ones_like(counts))
-    return _per_token(scale * (rewards - mean), response_mask)
+def rloo(rewards: Tensor) -> Tensor:
+    """r_i - mean of the group's other rewards = G/(G-1) (r_i - group mean); a group of one keeps r. [G] -> [G]."""
+    r, mean, _ = _baseline(rewards)
+    g = r.numel()
+    return r if g == 1 else (r - mean) * (g / (g - 1))
 
 
-@register_advantage("reinforce_pp_baseline")
-def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
-    """r - group mean, broadcast to tokens, whitened over the batch's response tokens. [B],[B],[B,T] -> [B,T]."""
-    rewards = rewards.to(torch.float32)
-    mean, _, _ = _group_stats(rewards, group_index)
-    mask = response_mask.to(torch.float32)
-    scores = _per_token(rewards - mean, mask)
-    n = mask.sum()
-    if n < 2:  # no variance to speak of: centre only
-        return scores
-    token_mean = (scores * mask).sum() / n
-    token_var = (((scores - token_mean) ** 2) * mask).sum() / (n - 1)
-    return (scores - token_mean) * torch.rsqrt(token_var + WHITEN_EPS) * mask
+@register_advantage("reinforce_pp_group")
+def reinforce_pp_group(rewards: Tensor) -> Tensor:
+    """r - group mean, whitened within the group: / sqrt(unbiased group var + 1e-8). [G] -> [G]."""
+    r, mean, std = _baseline(rewards)
+    return (r - mean) * torch.rsqrt(std ** 2 + WHITEN_EPS)
 
 
 @register_advantage("dapo")
-def dapo(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
-    """DAPO's advantage is GRPO's; see the module docstring for where DAPO's other parts live."""
-    return grpo(rewards, group_index, response_mask)
+def dapo(rewards: Tensor) -> Tensor:
+    """DAPO's advantage is GRPO's; see the module docstring for where DAPO's other parts live. [G] -> [G]."""
+    return grpo(rewards)
 
 
 def group_is_degenerate(rewards) -> bool:

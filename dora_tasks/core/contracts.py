@@ -5,15 +5,35 @@ Implementations (`dora_tasks.engines.*`) import these; these never import implem
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 from dora_tasks.core.records import Generation, TrainBatch
+
+
+class DecodeSession(Protocol):
+    """Rows decoded together chunk by chunk on one loaded version, each keeping its state between chunks."""
+
+    version: int
+
+    def add(self, key: Hashable, token_ids: Sequence[int]) -> None:
+        """Start a row from its prompt (plus the tokens it already has)."""
+
+    def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
+        """Up to `steps[key]` more tokens of each row (fewer when it ends with eos)."""
+
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        """Forget rows that ended."""
 
 
 class RolloutEngine(ABC):
     """Serves one policy version at a time (DORA's rollout instance)."""
 
     version: int = -1
+
+    def open_session(self) -> DecodeSession | None:
+        """A session that keeps each row's KV cache between chunks, or None when the engine keeps none (its rows are
+        then re-encoded at every chunk through `generate`)."""
+        return None
 
     @abstractmethod
     def load_version(self, version: int, weights_path: str) -> None:
@@ -35,6 +55,10 @@ class TrainEngine(ABC):
     """Holds the trainable policy and its optimizer on the trainer worker."""
 
     version: int = 0
+
+    def skip_step(self) -> None:
+        """An update whose every group was filtered out: the version advances, the weights stay as they are."""
+        self.version += 1
 
     @abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
