@@ -12,7 +12,6 @@ import functools
 import time
 
 import numpy as np
-import torch
 from distributed import get_worker
 
 from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
@@ -73,18 +72,13 @@ def advantage(groups: list[Group], estimator: str, filter_degenerate: bool = Fal
 
 
 def group_advantage(group: Group, estimator: str, filter_degenerate: bool = False) -> Group:
-    """Set each trajectory's advantage from its group. Failed rewards count as 0 and stay recorded."""
-    from dora_tasks.algorithms.advantages import group_is_degenerate
-    from dora_tasks.algorithms.registry import get_advantage
+    """Set each trajectory's advantage, one scalar from its group's rewards (`group_advantages`, the one place
+    advantages are computed). Failed rewards count as 0 and stay recorded."""
+    from dora_tasks.algorithms.advantages import group_advantages, group_is_degenerate
 
-    rewards = torch.tensor(np.nan_to_num(group.rewards, nan=0.0), dtype=torch.float32)
-    lengths = [max(1, len(t.response_ids)) for t in group.trajectories]
-    mask = torch.zeros(len(lengths), max(lengths))
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    adv = get_advantage(estimator)(rewards, torch.zeros(len(lengths), dtype=torch.long), mask)
-    for t, row in zip(group.trajectories, adv):
-        t.advantage = float(row[0])
+    rewards = np.nan_to_num(group.rewards, nan=0.0)
+    for t, value in zip(group.trajectories, group_advantages(estimator, rewards).tolist()):
+        t.advantage = value
     if filter_degenerate and group_is_degenerate(rewards):
         group.filtered = "zero_variance"
     return group

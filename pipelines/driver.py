@@ -30,28 +30,23 @@ from functools import singledispatchmethod
 from typing import Callable
 
 from distributed import Client, Future, wait
-from distributed.scheduler import KilledWorker
 
 from dora_tasks import steps
 from dora_tasks.core.config import Config
-from dora_tasks.core.records import Group, Prompt, TrainerRestore, UpdateResult
-from dora_tasks.plugins import TrainerLost
-from pipelines.cluster import ClusterError, PausedWorkers, Workers, labelled_workers
+from dora_tasks.core.records import Group, Prompt, UpdateResult
+from pipelines.cluster import PausedWorkers, Workers, labelled_workers
 from pipelines.events import (EvaluationTask, Evaluated, Event, GroupRolledOut, GroupsScored, Published, RolloutTask,
-                              ScoringSubmitted, ScoringTask, Task, TrainerRestored, Turn, UpdateSubmitted, UpdateTask)
+                              ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.orchestrator import Orchestrator, Start
+from pipelines.trainer_recovery import TRAINER, TRAINER_LOSS, TrainerRecovery
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
 
 log = logging.getLogger("dora")
-ROLLOUT, CPU, TRAINER = {"ROLLOUT": 1}, {"CPU": 1}, {"TRAINER": 1}
-TRAINER_LOSS = (TrainerLost, KilledWorker)  # what a trainer task raises when the trainer's process died under it
-MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them before the run stops
-RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
-MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
+ROLLOUT, CPU = {"ROLLOUT": 1}, {"CPU": 1}
 MAX_EVAL_ATTEMPTS = 2  # an evaluation that fails is tried once more, then skipped with a warning
 EVALUATION_PRIORITY = -10  # evaluations wait behind the pipeline's own CPU tasks
 LIVE_WINDOW_TURNS = 50  # the `live_versions` metric: most versions live at once over this many recent turns
@@ -64,10 +59,6 @@ class RunError(RuntimeError):
 
 class RewardFailureError(RuntimeError):
     """Every reward of `task.reward_failure_stop_updates` updates in a row failed: the reward function is broken."""
-
-
-class TrainerError(RuntimeError):
-    """The trainer cannot be brought back; the run folder can be resumed with `dora resume`."""
 
 
 @dataclass
@@ -104,7 +95,7 @@ class RateLimit:
 
 
 @dataclass
-class Driver:
+class Driver(TrainerRecovery):
     cfg: Config
     client: Client
     gate: VersionGate
@@ -261,8 +252,8 @@ class Driver:
         self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, time.time())
         suffix = (attempt,) if attempt else ()
         seed = self.cfg.dora.seed * SEED_STRIDE + gid * 31 + attempt
-        rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v), self.cfg.rollout.group_size,
-                                    seed, attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
+        rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v),
+                                    self.cfg.rollout.group_size, seed, attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
                                     resources=ROLLOUT, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
         self.track(rolled, RolloutTask(gid, v, start.instance))
@@ -403,66 +394,6 @@ class Driver:
             except TRAINER_LOSS as exc:
                 self.recover_trainer(f"checkpoint {update} failed: {type(exc).__name__}")
         self.retain_weights()
-
-    # ---- trainer loss --------------------------------------------------------------------------------------------
-    def recover_trainer(self, why: str) -> TrainerRestore:
-        """The trainer died (at any moment: training, publishing, checkpointing, idle). A restarted trainer worker
-        gets a new engine on the newest version the driver took in, with the optimizer state of the last checkpoint
-        (a fresh one without), and the batches handed to the lost trainer go to it again, in order. A version the
-        lost trainer published but the driver never took in is deleted: it is published again, once."""
-        log.warning("trainer lost (%s); restoring it at version %d", why, self.gate.newest)
-        queued = list(self.updates)
-        self.updates.clear()
-        lost = [f for q in queued for f in (q.checked, q.updated)]
-        self.untrack(lost)
-        self.client.cancel(lost)
-        self.retain_weights(drop_unseen=True)
-        checkpoint = self.checkpoints.latest() if self.checkpoints is not None else None
-        folder = checkpoint.file("trainer") if checkpoint is not None else None
-        restored = None
-        while restored is None:  # the new trainer may die too, before it is restored
-            self.count_trainer_restart(why)
-            self.wait_for_trainer()
-            try:
-                restored = self.client.submit(steps.restore_trainer, self.gate.newest, folder, resources=TRAINER,
-                                              key=("restore-trainer", self.counters["trainer_restarts"]), pure=False
-                                              ).result(timeout=RESTORE_TIMEOUT_S)
-            except TRAINER_LOSS as exc:
-                why = f"lost again while restored: {type(exc).__name__}"
-            except TimeoutError:
-                raise TrainerError(f"the trainer was lost ({why}) and not restored within {RESTORE_TIMEOUT_S:.0f} s; "
-                                   f"continue the run with `dora resume {self.cfg.storage.run_dir}`") from None
-        self.trainer = restored.worker
-        for q in queued:
-            self.submit_update(q.decision)
-        log.warning("trainer restored at version %d with %s", restored.version,
-                    f"the optimizer state of {restored.optimizer_from}" if restored.optimizer_from else
-                    "a FRESH optimizer state (" + ("no checkpoint yet" if folder is None else
-                                                   f"the engine cannot take the optimizer state of {folder} alone")
-                    + ")")
-        self.emit(TrainerRestored(why, restored.version, restored.optimizer_from))
-        return restored
-
-    def count_trainer_restart(self, why: str) -> None:
-        c = self.counters
-        c["trainer_restarts"] += 1
-        c["restarts_in_a_row"] += 1
-        if c["restarts_in_a_row"] > MAX_TRAINER_RESTARTS:
-            raise TrainerError(f"the trainer was lost {c['restarts_in_a_row']} times without publishing a version "
-                               f"in between (last: {why}); continue the run with `dora resume "
-                               f"{self.cfg.storage.run_dir}` once the trainer worker is healthy")
-
-    def wait_for_trainer(self) -> str:
-        """The address of a connected trainer worker (its Nanny restarts it within seconds)."""
-        timeout_s = max(MIN_WORKER_WAIT_S, self.cfg.cluster.connect_timeout_s)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            trainers = labelled_workers(self.client).trainer
-            if trainers:
-                return trainers[0]
-            time.sleep(0.2)
-        raise ClusterError(f"the trainer was lost and no worker labelled GPU=1,TRAINER=1 joined within "
-                           f"{timeout_s:.0f} s; start one and continue with `dora resume {self.cfg.storage.run_dir}`")
 
     def retain_weights(self, *, drop_unseen: bool = False) -> None:
         """Keep the versions unconsumed groups still need, the newest, those a queued evaluation will read, (for

@@ -29,7 +29,8 @@ from dora_tasks.workloads.datasets import load_prompts
 from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn
 from pipelines.cluster import connect, wait_for_workers
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
-from pipelines.driver import MIN_WORKER_WAIT_S, TRAINER, Driver, RunError  # noqa: F401 - RunError: what a failed run raises
+from pipelines.driver import Driver, RunError  # noqa: F401 - RunError: what a failed run raises
+from pipelines.trainer_recovery import MIN_WORKER_WAIT_S, TRAINER
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
 from pipelines.gate import VersionGate
 from pipelines.live import LiveView

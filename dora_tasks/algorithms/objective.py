@@ -6,6 +6,8 @@ Simplifications, and why:
 - Micro-batches are runs of the batch's trajectories sorted by length (longest first), cut where padding would cost
   more than one more forward/backward (`plan_micro_batches`): a long-tailed batch does not pad its short rows to its
   long ones. The loss is normalised by the whole batch, so how rows are grouped does not change it.
+- Advantages are the trajectories' own scalars (set per group by the advantage task), broadcast over their response
+  tokens; the objective computes none, so what the trajectory store records is what was trained on.
 - Groups with `Group.filtered` set (e.g. DAPO's zero-variance filter) are left out of the tensors entirely; the caller
   recorded why.
 - Log-probs are taken at `temperature` (the rollout's sampling temperature; the rollout engines report log-probs of
@@ -23,23 +25,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dora_tasks.algorithms.advantages import group_advantages
 from dora_tasks.algorithms.losses import LossNorm, aggregate, masked_mean, reference_kl
-from dora_tasks.algorithms.registry import get_advantage, get_loss
+from dora_tasks.algorithms.registry import get_loss
 from dora_tasks.core.records import TrainBatch
 
 Backward = Callable[[Tensor, bool], None]  # (micro-batch loss, is last micro-batch) -> None
 
 
 def batch_tensors(batch: TrainBatch, pad_id: int = 0, advantage: str = "grpo") -> dict[str, Tensor]:
-    """Padded CPU tensors of the unfiltered trajectories of `batch`.
+    """Padded CPU tensors of the unfiltered trajectories of `batch`; `advantage` names the estimator only for
+    trajectories that skipped the advantage task (`_token_advantages`).
 
     Returns input_ids long [B,L] (prompt + response, right-padded with `pad_id`), attention_mask long [B,L],
     response_mask float [B,L] (1 on response tokens), behaviour_logp float [B,L] (aligned with the tokens),
-    rewards float [B], advantages float [B,L] (each trajectory's `advantage` on its response tokens; where it is NaN,
-    the registered estimator `advantage` computes it from the batch's rewards and groups), group_index long [B].
+    rewards float [B], advantages float [B,L] (each trajectory's `advantage` on its response tokens, see
+    `_token_advantages`), group_index long [B].
     """
-    trajectories = [t for g in batch.groups if not g.filtered for t in g.trajectories]
-    group_ids = [g.group_id for g in batch.groups if not g.filtered for _ in g.trajectories]
+    groups = [g for g in batch.groups if not g.filtered]
+    trajectories = [t for g in groups for t in g.trajectories]
+    group_ids = [g.group_id for g in groups for _ in g.trajectories]
     width = max((t.num_tokens for t in trajectories), default=0)
     input_ids = np.full((len(trajectories), width), pad_id, dtype=np.int64)
     attention = np.zeros((len(trajectories), width), dtype=np.int64)
@@ -62,18 +67,24 @@ def batch_tensors(batch: TrainBatch, pad_id: int = 0, advantage: str = "grpo") -
         "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         "group_index": torch.tensor(group_ids, dtype=torch.long),
     }
-    tensors["advantages"] = _token_advantages(trajectories, tensors, advantage)
+    tensors["advantages"] = _token_advantages(groups, tensors["response_mask"], advantage)
     return tensors
 
 
-def _token_advantages(trajectories, tensors: dict[str, Tensor], advantage: str) -> Tensor:
-    given = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
-    result = given[:, None] * tensors["response_mask"]
-    missing = torch.isnan(given)
-    if bool(missing.any()):
-        estimated = get_advantage(advantage)(tensors["rewards"], tensors["group_index"], tensors["response_mask"])
-        result = torch.where(missing[:, None], estimated, result)
-    return result
+def _token_advantages(groups, response_mask: Tensor, estimator: str) -> Tensor:
+    """Each trajectory's scalar advantage broadcast over its response tokens [B,L]: broadcasting, not computing."""
+    values = np.concatenate([_group_values(g, estimator) for g in groups] or [np.zeros(0, np.float32)])
+    return torch.from_numpy(values)[:, None] * response_mask
+
+
+def _group_values(group, estimator: str) -> np.ndarray:
+    """The group's advantages [G]. A NaN one means the trajectory skipped the advantage task (engine tests, direct
+    engine use): it gets what that task would have set, from `group_advantages`, the one function that computes them."""
+    given = np.array([t.advantage for t in group.trajectories], dtype=np.float32)
+    missing = np.isnan(given)
+    if missing.any():
+        given[missing] = group_advantages(estimator, group.rewards).numpy()[missing]
+    return given
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,

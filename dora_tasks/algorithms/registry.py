@@ -5,7 +5,8 @@ elsewhere. Registration happens when `dora_tasks.algorithms` is imported (its `_
 define the functions), so a name is always resolvable once the package is importable.
 
 Signatures (shapes documented in `advantages.py` and `losses.py`):
-- advantage: `fn(rewards[B], group_index[B] long, response_mask[B,T]) -> advantages[B,T]`
+- advantage: `fn(rewards[G]) -> advantages[G]`, one group's rewards to one float32 scalar per trajectory (called only
+  by `advantages.group_advantages`, the one place advantages are computed)
 - loss: `fn(logp[B,T], behaviour_logp[B,T], advantages[B,T], mask[B,T], cfg, proximal_logp=None, *, entropy=None,
   norm=None) -> (loss scalar, metrics dict of floats)`
 """
@@ -46,7 +47,7 @@ def _lookup(table: dict[str, Callable], kind: str, name: str) -> Callable:
 
 
 def register_advantage(name: str) -> Callable[[F], F]:
-    """Decorator: register `fn(rewards, group_index, response_mask) -> advantages` under `name`."""
+    """Decorator: register `fn(rewards[G]) -> advantages[G]` (one group, one scalar per trajectory) under `name`."""
     return _register(_ADVANTAGES, "advantage estimator", name)
 
 

@@ -81,7 +81,7 @@ class TaskConfig:
     reward_isolation: str = "thread"  # "process": calls run in reward processes, killed past the timeout or memory
     reward_memory_bytes: int = 2**30  # address-space limit (RLIMIT_AS) of each reward process (process isolation)
     reward_failure_warn_share: float = 0.1  # warn when more than this share of an update's rewards failed
-    reward_failure_stop_updates: int = 3  # stop the run once every reward of this many updates in a row failed (0: never)
+    reward_failure_stop_updates: int = 3  # stop once every reward of this many updates in a row failed (0: never)
     num_prompts: int = 4096  # size of the generated prompt pool for procedural tasks
     eval_prompts: int = 64  # held-out prompts for accuracy
     eval_interval: int = 0  # updates between held-out evaluations; 0 evaluates the initial and final policy only

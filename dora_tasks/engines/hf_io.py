@@ -129,7 +129,8 @@ class Stopwatch:
 
 def timed_train_step(batch: TrainBatch, advantage: str, update) -> dict[str, float]:
     """The engines' shared `train_step` body: tensors, batch summary, `update(tensors)` when there are response
-    tokens to learn from, and the seconds it all took."""
+    tokens to learn from, and the seconds it all took. `advantage` (the configured estimator) is used only for
+    trajectories that skipped the advantage task (`batch_tensors`); the others bring their own."""
     from dora_tasks.algorithms.objective import batch_tensors
 
     clock = Stopwatch()
