@@ -253,8 +253,8 @@ class Driver(TrainerRecovery):
         suffix = (attempt,) if attempt else ()
         seed = self.cfg.dora.seed * SEED_STRIDE + gid * 31 + attempt
         rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v),
-                                    self.cfg.rollout.group_size, seed, attempt, key=("rollout", v, gid) + suffix, workers=[start.instance],
-                                    resources=ROLLOUT, pure=False)
+                                    self.cfg.rollout.group_size, seed, attempt, key=("rollout", v, gid) + suffix,
+                                    workers=[start.instance], resources=ROLLOUT, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
         self.track(rolled, RolloutTask(gid, v, start.instance))
 

@@ -31,14 +31,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VICTIMS = ("rollout", "trainer", "cpu", "driver")
 N, K, TBS, G = 8, 1, 4, 4
 RUN_TIMEOUT_S = 900
-KILL_WITHIN_S = 6.0  # the moment: this long at most after the first update is stored
+KILL_WITHIN_S = 0.5  # the moment: this long at most after the chosen update is stored
 
 
 @dataclass
 class Trial:
     seed: int
     victim: str
-    delay_s: float
+    after_updates: int  # the kill comes once this many updates are stored (whatever the machine's speed) ...
+    delay_s: float  # ... and this long after
     killed: bool = False
     resumed: bool = False
 
@@ -106,7 +107,7 @@ def run_trial(tmp_path, trial: Trial) -> Trial:
     log_path = tmp_path / f"run-{trial.seed}.log"
     proc = dora(log_path, "run", *overrides)
     try:
-        wait_for(lambda: updates_stored(store) >= 1, proc, log_path)
+        wait_for(lambda: updates_stored(store) >= trial.after_updates, proc, log_path)
         time.sleep(trial.delay_s)
         pid = proc.pid if trial.victim == "driver" else worker_pid(log_path, proc, trial.victim)
         if pid is not None and proc.poll() is None:
@@ -162,7 +163,7 @@ def check_mlflow(run_dir, updates: dict) -> None:
 def trial_of(seed: int, victim: str | None = None) -> Trial:
     rng = random.Random(seed)
     chosen = rng.choice(VICTIMS)
-    return Trial(seed, victim or chosen, rng.uniform(0.0, KILL_WITHIN_S))
+    return Trial(seed, victim or chosen, rng.randint(1, N - 2), rng.uniform(0.0, KILL_WITHIN_S))
 
 
 @pytest.mark.slow
@@ -175,7 +176,7 @@ def test_a_killed_trainer_or_driver_leaves_a_whole_run(tmp_path, victim):
 @pytest.mark.chaos
 def test_chaos_trials(tmp_path):
     trials = [run_trial(tmp_path, trial_of(seed)) for seed in range(int(os.environ.get("DORA_CHAOS_TRIALS", "6")))]
-    print("\nchaos trials: " + "; ".join(f"seed {t.seed} {t.victim} at +{t.delay_s:.1f}s "
+    print("\nchaos trials: " + "; ".join(f"seed {t.seed} {t.victim} after update {t.after_updates} +{t.delay_s:.2f}s "
                                          f"{'killed' if t.killed else 'finished first'}"
                                          f"{', resumed' if t.resumed else ''}" for t in trials))
-    assert sum(t.killed for t in trials) >= len(trials) // 2
+    assert all(t.killed for t in trials)
