@@ -1,4 +1,5 @@
-"""Advantage estimators and policy losses against slow loop references, the registry, and batch_tensors."""
+"""Advantage estimators (one group's rewards -> one scalar per trajectory) and policy losses against slow loop
+references, the registry, the advantage task and batch_tensors."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora_tasks.algorithms import (LossNorm, UnknownAlgorithmError, advantage_names, get_advantage, get_loss,
-                                   group_is_degenerate, loss_names, overlong_shaping, register_advantage)
+                                   group_advantages, group_is_degenerate, loss_names, overlong_shaping,
+                                   register_advantage)
 from dora_tasks.algorithms import registry
 from dora_tasks.algorithms.objective import batch_tensors, micro_batches, plan_micro_batches
 from dora_tasks.core.records import Group, Prompt, TrainBatch, Trajectory
@@ -22,51 +24,31 @@ from dora_tasks.core.config import ConfigError, TrainConfig
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=60, deadline=None)
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "dapo"]
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp_group", "dapo"]
 LOSSES = ["ppo_clip", "decoupled_ppo", "tis"]
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
 # ---------------------------------------------------------------- slow references (plain loops, float64)
 
-def ref_group_baselines(rewards: list[float], groups: list[int]) -> list[tuple[float, float, int, float]]:
-    """(mean, unbiased std, size, sum) of each trajectory's group; singleton groups: mean 0, std 1 (verl)."""
+def ref_advantages(name: str, rewards) -> list[float]:
+    """One group's advantages, trajectory by trajectory (float64); a group of one has no baseline: mean 0, std 1."""
+    rewards, n = list(map(float, rewards)), len(rewards)
+    mean = sum(rewards) / n if n > 1 else 0.0
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 1.0
     out = []
-    for i in range(len(rewards)):
-        members = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
-        n = len(members)
-        if n == 1:
-            out.append((0.0, 1.0, 1, members[0]))
-            continue
-        mean = sum(members) / n
-        std = math.sqrt(sum((r - mean) ** 2 for r in members) / (n - 1))
-        out.append((mean, std, n, sum(members)))
-    return out
-
-
-def ref_advantages(name: str, rewards, groups, mask) -> np.ndarray:
-    rewards, groups, mask = list(map(float, rewards)), list(map(int, groups)), np.asarray(mask, dtype=np.float64)
-    stats = ref_group_baselines(rewards, groups)
-    scores = []
-    for r, (mean, std, n, total) in zip(rewards, stats):
+    for i, r in enumerate(rewards):
         if name in ("grpo", "dapo"):
-            scores.append((r - mean) / (std + 1e-6))
-        elif name in ("dr_grpo", "reinforce_pp_baseline"):
-            scores.append(r - mean)
+            out.append((r - mean) / (std + 1e-6))
+        elif name == "dr_grpo":
+            out.append(r - mean)
         elif name == "rloo":
-            scores.append(r - (total - r) / (n - 1) if n > 1 else r)
-    out = np.zeros_like(mask)
-    for i in range(mask.shape[0]):
-        for t in range(mask.shape[1]):
-            out[i, t] = scores[i] * mask[i, t]
-    if name == "reinforce_pp_baseline":
-        values = [out[i, t] for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
-        if len(values) >= 2:
-            m = sum(values) / len(values)
-            var = sum((v - m) ** 2 for v in values) / (len(values) - 1)
-            for i in range(mask.shape[0]):
-                for t in range(mask.shape[1]):
-                    out[i, t] = (out[i, t] - m) / math.sqrt(var + 1e-8) if mask[i, t] else 0.0
+            out.append(r - sum(rewards[j] for j in range(n) if j != i) / (n - 1) if n > 1 else r)
+        elif name == "reinforce_pp_group":  # centre, then whiten the centred values (verl's masked_whiten, per group)
+            centred = [x - mean for x in rewards]
+            m = sum(centred) / n
+            var = sum((x - m) ** 2 for x in centred) / (n - 1) if n > 1 else 0.0
+            out.append((centred[i] - m) / math.sqrt(var + 1e-8) if n > 1 else r)  # nothing to whiten in one
     return out
 
 
@@ -121,14 +103,12 @@ def ref_loss(name: str, logp: torch.Tensor, behaviour, advantages, mask, cfg, pr
 
 # ---------------------------------------------------------------- strategies
 
+REWARDS = st.sampled_from([0.0, 1.0, 0.5, -1.0, 2.5, 0.25])
+
+
 @st.composite
-def grouped_batches(draw):
-    rows = draw(st.integers(1, 10))
-    cols = draw(st.integers(1, 6))
-    groups = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
-    rewards = draw(st.lists(st.sampled_from([0.0, 1.0, 0.5, -1.0, 2.5, 0.25]), min_size=rows, max_size=rows))
-    mask = draw(st.lists(st.lists(st.integers(0, 1), min_size=cols, max_size=cols), min_size=rows, max_size=rows))
-    return rewards, groups, mask
+def group_rewards(draw):
+    return draw(st.lists(REWARDS, min_size=1, max_size=10))
 
 
 @st.composite
@@ -146,23 +126,60 @@ def loss_inputs(draw):
 # ---------------------------------------------------------------- estimators
 
 @SETTINGS
-@given(grouped_batches(), st.sampled_from(ESTIMATORS))
-def test_estimators_match_loop_reference(data, name):
-    rewards, groups, mask = data
-    got = get_advantage(name)(torch.tensor(rewards), torch.tensor(groups, dtype=torch.long), torch.tensor(mask))
-    assert got.shape == (len(rewards), len(mask[0])) and got.dtype == torch.float32
-    np.testing.assert_allclose(got.numpy(), ref_advantages(name, rewards, groups, mask), rtol=1e-4, atol=1e-4)
+@given(group_rewards(), st.sampled_from(ESTIMATORS))
+def test_estimators_match_loop_reference(rewards, name):
+    given = torch.tensor(rewards, dtype=torch.float64)
+    got = get_advantage(name)(given)
+    assert got.shape == (len(rewards),) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), ref_advantages(name, rewards), rtol=1e-4, atol=1e-4)
+    assert given.tolist() == rewards  # pure: the input is not modified
 
 
-def test_estimators_zero_outside_response_and_group_ids_arbitrary():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 3.0])
-    groups = torch.tensor([1007, 1007, -5, -5])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [1, 1, 1]])
+@SETTINGS
+@given(group_rewards(), st.sampled_from(ESTIMATORS), st.randoms(use_true_random=False))
+def test_estimators_see_one_group_in_any_order(rewards, name, rnd):
+    """One scalar per trajectory from its group's rewards alone: permuting the group permutes the advantages."""
+    order = list(range(len(rewards)))
+    rnd.shuffle(order)
+    got = get_advantage(name)(torch.tensor(rewards))
+    permuted = get_advantage(name)(torch.tensor([rewards[i] for i in order]))
+    np.testing.assert_allclose(permuted.numpy(), got.numpy()[order], rtol=1e-6, atol=1e-6)
+
+
+def test_estimators_signs_and_degenerate_groups():
     for name in ESTIMATORS:
-        got = get_advantage(name)(rewards, groups, mask)
-        assert torch.all(got[mask == 0] == 0), name
-    grpo = get_advantage("grpo")(rewards, groups, mask)
-    assert grpo[0, 0] > 0 > grpo[1, 0] and grpo[3, 0] > 0 > grpo[2, 1]
+        got = get_advantage(name)(torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        assert got[0] > 0 > got[1], name
+        assert torch.all(get_advantage(name)(torch.tensor([2.0, 2.0, 2.0])) == 0), name
+        with pytest.raises(ValueError, match=r"one group's rewards \[G\]"):
+            get_advantage(name)(torch.zeros(2, 3))  # a padded batch is not a group
+        with pytest.raises(ValueError, match="G >= 1"):
+            get_advantage(name)(torch.zeros(0))
+
+
+def test_group_advantages_dispatches_by_name_and_counts_failed_rewards_as_zero():
+    got = group_advantages("dr_grpo", np.array([1.0, float("nan"), 0.5], np.float32))
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx([0.5, -0.5, 0.0])
+    with pytest.raises(UnknownAlgorithmError, match="valid names: .*grpo"):
+        group_advantages("gae", [1.0])
+
+
+def test_the_advantage_task_computes_each_group_alone():
+    """`steps.group_advantage` calls the estimator on one group's rewards: a group's advantages do not depend on the
+    other groups of the batch (REINFORCE++'s batch whitening is not silently turned into something else)."""
+    from dora_tasks import steps
+
+    for name in ESTIMATORS:
+        a = _group(0, [1.0, 0.0, float("nan"), 1.0])
+        b = _group(1, [5.0, -3.0])
+        scored = steps.advantage([a, b], name)
+        assert [t.advantage for t in scored[0].trajectories] == pytest.approx(ref_advantages(name, [1, 0, 0, 1]),
+                                                                              abs=1e-4)
+        assert [t.advantage for t in scored[1].trajectories] == pytest.approx(ref_advantages(name, [5, -3]),
+                                                                              abs=1e-4)
+        assert np.isnan(a.trajectories[2].reward) and a.trajectories[2].reward_error == "boom"  # still recorded
+    degenerate = steps.group_advantage(_group(2, [1.0, 1.0]), "grpo", filter_degenerate=True)
+    assert degenerate.filtered == "zero_variance"
 
 
 def test_group_is_degenerate():
@@ -273,11 +290,12 @@ def test_registry_lists_valid_names_on_unknown():
 
 def test_register_custom_and_duplicate_names():
     @register_advantage("test_only_constant")
-    def constant(rewards, group_index, response_mask):
-        return torch.ones_like(response_mask, dtype=torch.float32)
+    def constant(rewards):
+        return torch.ones_like(rewards, dtype=torch.float32)
 
     try:
         assert get_advantage("test_only_constant") is constant
+        assert group_advantages("test_only_constant", [3.0, 4.0]).tolist() == [1.0, 1.0]
         with pytest.raises(ValueError, match="already registered"):
             register_advantage("grpo")(constant)
     finally:
@@ -304,6 +322,13 @@ def _traj(group: int, idx: int, prompt, response, reward, advantage=float("nan")
                       advantage=advantage)
 
 
+def _group(group: int, rewards) -> Group:
+    trajectories = [_traj(group, i, [1, 2], [3 + i] * (i + 1), r) for i, r in enumerate(rewards)]
+    for t in trajectories:
+        t.reward_error = "boom" if np.isnan(t.reward) else ""
+    return Group(group_id=group, prompt=Prompt(group, "", ""), version=0, trajectories=trajectories)
+
+
 def _batch(groups_spec) -> TrainBatch:
     groups = [Group(group_id=g, prompt=Prompt(g, "", ""), version=0, trajectories=trajs, filtered=filtered)
               for g, trajs, filtered in groups_spec]
@@ -327,6 +352,21 @@ def test_batch_tensors_estimates_missing_advantages_with_the_named_estimator():
                     (1, [_traj(1, 0, [1], [2], 2.0, advantage=7.0)], "")])
     t = batch_tensors(batch, advantage="dr_grpo")
     assert t["advantages"].tolist() == [[0, 0.5, 0.5], [0, -0.5, 0], [0, 7.0, 0]]
+    assert np.isnan(batch.groups[0].trajectories[0].advantage)  # the batch is not modified
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_batch_tensors_fill_missing_advantages_exactly_as_the_advantage_task_sets_them(name):
+    """One place computes advantages: a trajectory that skipped the advantage task gets the same value from
+    `batch_tensors` as the task would have given it, failed rewards included; the trainer only broadcasts."""
+    from dora_tasks import steps
+
+    spec = [(0, [1.0, 0.0, float("nan"), 1.0]), (1, [2.5, -1.0]), (2, [0.5])]
+    skipped = TrainBatch(1, [_group(g, r) for g, r in spec], 1)
+    scored = TrainBatch(1, steps.advantage([_group(g, r) for g, r in spec], name), 1)
+    filled, given = batch_tensors(skipped, advantage=name), batch_tensors(scored, advantage="gae")  # never consulted
+    torch.testing.assert_close(filled["advantages"], given["advantages"], rtol=0, atol=0)
+    assert torch.all(filled["advantages"][filled["response_mask"] == 0] == 0)
 
 
 def test_batch_tensors_rejects_empty_prompt_and_handles_empty_batch():

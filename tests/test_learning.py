@@ -119,7 +119,7 @@ def test_a_positive_advantage_raises_the_rewarded_response_and_lowers_the_others
 
 # ---- every registered algorithm, chosen by name through the config --------------------------------------------
 @pytest.mark.parametrize("advantage,loss", list(itertools.product(
-    ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "dapo"], ["ppo_clip", "decoupled_ppo", "tis"])))
+    ["grpo", "dr_grpo", "rloo", "reinforce_pp_group", "dapo"], ["ppo_clip", "decoupled_ppo", "tis"])))
 def test_registered_algorithms_run_through_the_advantage_and_update_steps(policy, advantage, loss):
     cfg = load_config(None, [f"train.advantage={advantage}", f"train.loss={loss}", "train.lr=1e-2"])
     groups = rollout_groups(HFRolloutEngine(policy, RolloutConfig(max_new_tokens=12)), 0, seed=2)

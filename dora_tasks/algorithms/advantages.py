@@ -82,7 +82,8 @@ def rloo(rewards: Tensor) -> Tensor:
 
 @register_advantage("reinforce_pp_group")
 def reinforce_pp_group(rewards: Tensor) -> Tensor:
-    """r - group mean, whitened within the group: / sqrt(unbiased group var + 1e-8). [G] -> [G]."""
+    """r - group mean, whitened within the group: / sqrt(unbiased group var + 1e-8); a group of one keeps r (up to
+    1e-8). [G] -> [G]."""
     r, mean, std = _baseline(rewards)
     return (r - mean) * torch.rsqrt(std ** 2 + WHITEN_EPS)
 
