@@ -31,14 +31,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VICTIMS = ("rollout", "trainer", "cpu", "driver")
 N, K, TBS, G = 8, 1, 4, 4
 RUN_TIMEOUT_S = 900
-KILL_WITHIN_S = 0.5  # the moment: this long at most after the chosen update is stored
+KILL_WITHIN_S = 0.5  # the moment: this long at most after the chosen update is published
 
 
 @dataclass
 class Trial:
     seed: int
     victim: str
-    after_updates: int  # the kill comes once this many updates are stored (whatever the machine's speed) ...
+    after_updates: int  # the kill comes once this many updates are published (whatever the machine's speed) ...
     delay_s: float  # ... and this long after
     killed: bool = False
     resumed: bool = False
@@ -65,11 +65,11 @@ def wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = RUN
         time.sleep(0.1)
 
 
-def updates_stored(store_path: str) -> int:
-    try:
-        return TrajectoryStore.open(store_path).num_rows("updates")
-    except Exception:  # noqa: BLE001 - not created yet
-        return 0
+def versions_published(run_dir) -> int:
+    """The newest version in the weight store: the run's progress as it happens (the trajectory store buffers)."""
+    names = [n for n in os.listdir(run_dir / "weights") if re.fullmatch(r"v\d{6,}", n)] \
+        if (run_dir / "weights").is_dir() else []
+    return max((int(n[1:]) for n in names), default=0)
 
 
 def worker_pid(log_path, driver: subprocess.Popen, name_prefix: str) -> int | None:
@@ -107,7 +107,7 @@ def run_trial(tmp_path, trial: Trial) -> Trial:
     log_path = tmp_path / f"run-{trial.seed}.log"
     proc = dora(log_path, "run", *overrides)
     try:
-        wait_for(lambda: updates_stored(store) >= trial.after_updates, proc, log_path)
+        wait_for(lambda: versions_published(run_dir) >= trial.after_updates, proc, log_path)
         time.sleep(trial.delay_s)
         pid = proc.pid if trial.victim == "driver" else worker_pid(log_path, proc, trial.victim)
         if pid is not None and proc.poll() is None:
