@@ -48,14 +48,17 @@ class RolloutPlugin(WorkerPlugin):
         _set_worker_env()
         from dora_tasks.engines.rollout_factory import make_rollout_engine
         from dora_tasks.rollout_server import RolloutServer
+        from dora_tasks.version_policy import DispatchVersion, PartialRollout
+        from storage.weight_store import WeightStore
 
-        newest = None
-        if self.rollout.partial_rollout:
-            from storage.weight_store import WeightStore
+        store = WeightStore(self.weight_store)
 
-            store = WeightStore(self.weight_store)
-            newest = lambda: (store.latest(), store.path_for(store.latest()))
-        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), newest,
+        def newest() -> tuple[int | None, str]:
+            version = store.latest()  # listed once: the path is that of the version returned
+            return version, "" if version is None else store.path_for(version)
+
+        policy = PartialRollout(newest) if self.rollout.partial_rollout else DispatchVersion()
+        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), policy,
                                     self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache)
 
     def teardown(self, worker) -> None:

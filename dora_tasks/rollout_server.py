@@ -1,38 +1,28 @@
 """One rollout instance: an engine that serves one policy version at a time, fed by concurrent rollout tasks.
 
 Rollout tasks run in the worker's thread pool (one thread per slot). Each hands its group to the server and blocks;
-a single engine thread (engines must not be called concurrently) gathers the waiting groups of the loaded version
-and generates them together in one batched call.
+a single engine thread (engines must not be called concurrently) gathers waiting groups and generates them together.
+Which version a batch runs on and which waiting groups may join it is the server's `VersionPolicy`
+(`dora_tasks.version_policy`):
 
-Version switches happen only between batches and only when no request of the loaded version is waiting, so every
-token of a group comes from one version (C1). The orchestrator sends an instance only work of the version it assigned,
-so a switch is the instance moving to a newer version (or to an older one to restart a group whose instance died).
+* `DispatchVersion` (DORA, the default): a batch is the waiting groups of one version, the loaded one first; the
+  version changes only when no group of the loaded version is running or waiting, so every token of a group comes
+  from its dispatch version (C1).
+* `PartialRollout` (``rollout.partial_rollout``, a baseline for comparison only): every waiting group joins and the
+  newest published version is loaded between chunks; a response continues under the new weights (re-encoded from
+  its prompt plus the tokens so far, as AReaL's interruptible generation does), so each token's log-prob and version
+  are those of the version that produced it and C1 is broken on purpose.
 
 Batching (``rollout.chunk_tokens``):
 
-* ``0``, static batches: a batch is every waiting request of one version, generated in one call; requests that arrive
-  meanwhile wait until its longest response ends.
-* ``> 0``, continuous batching at chunk granularity: generation proceeds in chunks of ``chunk_tokens`` tokens; between
-  chunks, requests whose responses all ended are handed back at once and newly arrived requests **of the loaded
-  version** join. On an engine with ``open_session`` (transformers) the running rows keep their KV cache between
-  chunks (``rollout.keep_kv_cache``; `dora_tasks.engines.fast_session`, or `dora_tasks.engines.hf_session`);
-  otherwise a response that continues is re-encoded from its prompt plus the tokens so far by the same weights (vLLM's prefix cache keeps that cheap).
-  The loaded version never changes while a response is active, so C1 holds; a request
-  of another version waits until the active ones have drained. A long response therefore no longer holds back
-  the groups queued behind it: they are decoded in the same steps, which is what keeps an instance's batch full
-  under a long-tailed length distribution.
-
-Partial-rollout baseline (``rollout.partial_rollout``, comparison only, never the default): the same chunked loop,
-but the newest published version is loaded between chunks, as AReaL/slime-style partial rollout does, and waiting
-requests of any dispatch version join (the instance serves the newest). In-flight responses continue across the
-weight update: each chunk is generated from the prompt plus the tokens so far under the weights loaded at that moment
-(after a load the KV cache is recomputed with the new weights, as AReaL's interruptible generation does), so every
-token's log-prob and version are those of the version that produced it, and a trajectory's per-token versions record the
-mix (C1 is broken on purpose; the audit reports it and the gate, with ``allow_mixed_versions``, lets the run finish).
-The group's dispatch version is still what the orchestrator, the capacity rule and the gate count.
-
-In both chunked modes a response ends at its first eos (kept) or when its total budget ``max_new_tokens`` is spent
-(unfinished).
+* ``0``, static batches: one call per batch; requests that arrive meanwhile wait until its longest response ends.
+* ``> 0``, continuous batching at chunk granularity: between chunks of ``chunk_tokens`` tokens, requests whose
+  responses all ended are handed back and waiting requests the policy lets join are added. On an engine with
+  ``open_session`` (transformers) running rows keep their KV cache between chunks (``rollout.keep_kv_cache``;
+  `dora_tasks.engines.fast_session` or `dora_tasks.engines.hf_session`); otherwise a continuing response is
+  re-encoded by the same weights (vLLM's prefix cache keeps that cheap). Groups queued behind a long response are
+  decoded in the same steps, which keeps the batch full under long-tailed lengths.
+  A response ends at its first eos (kept) or when ``max_new_tokens`` is spent (unfinished).
 """
 from __future__ import annotations
 
@@ -45,7 +35,7 @@ import numpy as np
 
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
 from dora_tasks.core.records import Generation
-
+from dora_tasks.version_policy import DispatchVersion, VersionPolicy
 
 CHUNK_SEED_STRIDE = 7919  # a prime: the seeds of a batch's successive chunks do not collide
 
@@ -73,18 +63,15 @@ class BusyLog:
 
 
 class RolloutServer:
-    def __init__(self, make_engine: Callable[[], RolloutEngine], newest_weights: Callable[[], tuple[int, str]] | None = None,
+    def __init__(self, make_engine: Callable[[], RolloutEngine], policy: VersionPolicy | None = None,
                  chunk_tokens: int = 0, *, keep_kv_cache: bool = True):
-        """`chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches).
-        `newest_weights` given (with `chunk_tokens` > 0): the partial-rollout baseline, which loads the newest
-        published version between chunks. `keep_kv_cache`: on an engine with `open_session`, running rows keep
-        their KV cache between chunks instead of being re-encoded."""
-        if newest_weights is not None and chunk_tokens < 1:
-            raise ValueError("the partial-rollout baseline needs chunk_tokens >= 1")
+        """`policy`: which version a batch runs on and who joins it (default `DispatchVersion`, DORA's).
+        `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches).
+        `keep_kv_cache`: on an engine with `open_session`, running rows keep their KV cache between chunks instead
+        of being re-encoded."""
         self._make_engine = make_engine
-        self._newest_weights = newest_weights  # partial-rollout baseline only
+        self._policy = policy if policy is not None else DispatchVersion()
         self._chunk = chunk_tokens
-        self._partial = newest_weights is not None
         self._keep_kv_cache = keep_kv_cache
         self._engine: RolloutEngine | None = None
         self._waiting: list[_Request] = []
@@ -141,19 +128,15 @@ class RolloutServer:
                         r.done.set()
 
     def _take_batch(self) -> list[_Request]:
-        """All waiting requests of the loaded version; if there are none, those of the oldest waiting request."""
+        """The waiting requests that join a batch of the loaded version, or, if none of that version waits, of the
+        oldest waiting request's version."""
         loaded = self.version
         version = loaded if any(r.version == loaded for r in self._waiting) else self._waiting[0].version
         return self._take_joiners(version)
 
     def _take_joiners(self, version: int) -> list[_Request]:
-        """Waiting requests that may join a batch serving `version` (call with the lock held). Partial-rollout
-        baseline: every waiting request (the instance serves the newest version whatever the dispatch version)."""
-        if self._partial:
-            batch, self._waiting = self._waiting, []
-            return batch
-        batch = [r for r in self._waiting if r.version == version]
-        self._waiting = [r for r in self._waiting if r.version != version]
+        """Waiting requests the policy lets join a batch serving `version` (call with the lock held)."""
+        batch, self._waiting = self._policy.joiners(self._waiting, version)
         return batch
 
     def _started(self) -> RolloutEngine:
@@ -173,7 +156,7 @@ class RolloutServer:
         if self._chunk:
             self._serve_session(batch)
             return
-        engine = self._ensure(batch[0].version, batch[0].weights_path)
+        engine = self._load_for(batch)
         start = time.time()
         outputs = engine.generate([r.prompt_ids for r in batch], batch[0].n, batch[0].seed)
         self.busy.spans.append((start, time.time()))
@@ -181,14 +164,14 @@ class RolloutServer:
             request.result = gens
             request.done.set()
 
-    # ---- continuous batching in chunks (and the partial-rollout baseline) -----------------------------------------
+    # ---- continuous batching in chunks ----------------------------------------------------------------------------
     def _serve_session(self, batch: list[_Request]) -> None:
         """Generate chunk by chunk until every request of the batch, and of those that joined it, is answered.
 
-        Each turn: load the batch's version (partial baseline: the newest published one), let waiting requests join,
-        decode one chunk of every live response in the engine's session, hand back the requests whose responses all
-        ended. A session is opened anew (every live row re-encoded) only when the loaded version changed under it
-        (the partial-rollout baseline)."""
+        Each turn: load the version the policy names, decode one chunk of every live response in the engine's
+        session, hand back the requests whose responses all ended, let waiting requests the policy allows join.
+        A session is opened anew (every live row re-encoded) only when the loaded version changed under it
+        (`PartialRollout`)."""
         session = None
         active: list[tuple[_Request, list[_Partial]]] = []
         pending = list(batch)
@@ -234,26 +217,19 @@ class RolloutServer:
             return active, self._take_joiners(self.version)
 
     def _load_for(self, requests: list[_Request]) -> RolloutEngine:
-        """The engine with the version these requests need loaded (partial baseline: the newest published)."""
-        if self._partial:
-            return self._load_newest(requests)
-        return self._ensure(requests[0].version, requests[0].weights_path)
+        """The engine holding the version the policy names for these requests.
 
-    def _load_newest(self, requests: list[_Request]) -> RolloutEngine:
-        """Load the newest published version (or a request's dispatch version, if that were newer)."""
-        for attempt in range(3):
-            version, path = self._newest_weights()
-            if version is None or version < self.version:
-                version, path = self.version, ""
-            newest_request = max(requests, key=lambda r: r.version)
-            if newest_request.version > version:
-                version, path = newest_request.version, newest_request.weights_path
+        A failed load is tried again only while the policy now names another version: the one it named was retained
+        away between the weight store's listing and the load (`PartialRollout`); otherwise the error is raised."""
+        version, path = self._policy.weights_for(requests, self.version)
+        while True:
             try:
                 return self._ensure(version, path)
-            except (OSError, ValueError):  # retained away between `latest()` and the load: a newer one exists
-                if attempt == 2:
+            except (OSError, ValueError):
+                failed = version
+                version, path = self._policy.weights_for(requests, self.version)
+                if version == failed:
                     raise
-        raise AssertionError("unreachable")
 
 
 class ReencodingSession:
@@ -280,7 +256,7 @@ class ReencodingSession:
             self.rows.pop(key, None)
 
 
-def _hand_back_finished(active: list[tuple[_Request, list["_Partial"]]], budget: int) -> list:
+def _hand_back_finished(active: list[tuple[_Request, list[_Partial]]], budget: int) -> list:
     """Answer the requests whose responses all ended; the others stay active."""
     still = []
     for request, states in active:

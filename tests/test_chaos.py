@@ -29,9 +29,10 @@ from storage.trajectory_store import TrajectoryStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VICTIMS = ("rollout", "trainer", "cpu", "driver")
-N, K, TBS, G = 8, 1, 4, 4
+N, K, TBS, G = 10, 1, 4, 4
 RUN_TIMEOUT_S = 900
-KILL_WITHIN_S = 0.5  # the moment: this long at most after the chosen update is published
+KILL_WITHIN_S = 0.2  # the moment: this long at most after the chosen update is published
+LAST_KILL_UPDATE = N - 4  # the latest chosen update: at least 4 updates remain, so the kill comes before the end
 
 
 @dataclass
@@ -72,18 +73,31 @@ def versions_published(run_dir) -> int:
     return max((int(n[1:]) for n in names), default=0)
 
 
-def worker_pid(log_path, driver: subprocess.Popen, name_prefix: str) -> int | None:
-    """The PID of the embedded cluster's worker named `name_prefix...`, from the scheduler's identity (the dashboard
-    link the run printed) and the ports its child processes listen on."""
+def worker_pids(log_path, driver: subprocess.Popen) -> dict[str, int]:
+    """The PID of each worker of the embedded cluster by its name, from the scheduler's identity (through the
+    dashboard link the run printed) and the ports its child processes listen on."""
     link = re.search(r"Dask dashboard (http://127\.0\.0\.1:\d+)", open(log_path).read()).group(1)
-    workers = scheduler_identity(link)["workers"]
-    ports = {int(a.rsplit(":", 1)[1]) for a, w in workers.items() if str(w["name"]).startswith(name_prefix)}
+    ports = {int(a.rsplit(":", 1)[1]): str(w["name"]) for a, w in scheduler_identity(link)["workers"].items()}
+    pids = {}
     for child in psutil.Process(driver.pid).children(recursive=True):
-        listening = {c.laddr.port for c in child.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-        if listening & ports:
-            return child.pid
-    assert not ports or driver.poll() is not None, f"no process listens on the ports of {name_prefix} ({ports})"
-    return None
+        for c in child.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports:
+                pids[ports[c.laddr.port]] = child.pid
+    return pids
+
+
+def cluster_pids(log_path, driver: subprocess.Popen) -> dict[str, int]:
+    """`worker_pids` once all four workers are up (resolved before the kill, when nothing is in a hurry)."""
+    found: dict[str, int] = {}
+
+    def all_up() -> bool:
+        if "Dask dashboard" not in open(log_path).read():
+            return False
+        found.update(worker_pids(log_path, driver))
+        return len(found) == 4
+
+    wait_for(all_up, driver, log_path)
+    return found
 
 
 def scheduler_identity(link: str, tries: int = 20) -> dict:
@@ -107,11 +121,12 @@ def run_trial(tmp_path, trial: Trial) -> Trial:
     log_path = tmp_path / f"run-{trial.seed}.log"
     proc = dora(log_path, "run", *overrides)
     try:
+        pids = cluster_pids(log_path, proc) | {"driver": proc.pid}
+        victim = next(name for name in sorted(pids) if name.startswith(trial.victim))
         wait_for(lambda: versions_published(run_dir) >= trial.after_updates, proc, log_path)
         time.sleep(trial.delay_s)
-        pid = proc.pid if trial.victim == "driver" else worker_pid(log_path, proc, trial.victim)
-        if pid is not None and proc.poll() is None:
-            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.kill(pids[victim], signal.SIGKILL)
             trial.killed = True
         proc.wait(RUN_TIMEOUT_S)
     finally:
@@ -157,13 +172,13 @@ def check_mlflow(run_dir, updates: dict) -> None:
         logged = {m.step: m.value for m in history}
         np.testing.assert_allclose([logged[u] for u in range(N)], updates[f"metrics/{name}"], rtol=1e-6)
     accuracy_steps = sorted(m.step for m in client.get_metric_history(run_id, "accuracy"))
-    assert accuracy_steps == [0, 4, 8], accuracy_steps  # version 0, every 4 updates, the last
+    assert accuracy_steps == [0, 4, 8, 10], accuracy_steps  # version 0, every 4 updates, the last
 
 
 def trial_of(seed: int, victim: str | None = None) -> Trial:
     rng = random.Random(seed)
     chosen = rng.choice(VICTIMS)
-    return Trial(seed, victim or chosen, rng.randint(1, N - 2), rng.uniform(0.0, KILL_WITHIN_S))
+    return Trial(seed, victim or chosen, rng.randint(1, LAST_KILL_UPDATE), rng.uniform(0.0, KILL_WITHIN_S))
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Generation
 from dora_tasks.model import EOS_ID, CharTokenizer, build_model, save_policy
 from dora_tasks.rollout_server import RolloutServer
+from dora_tasks.version_policy import DispatchVersion, PartialRollout
 
 FILLER = 5
 
@@ -76,7 +77,7 @@ def test_partial_rollout_eos_budget_versions_and_early_hand_back():
         published["v"] += 1
         return version, f"/w/{version}"
 
-    server = RolloutServer(lambda: engine, newest, chunk_tokens=4)
+    server = RolloutServer(lambda: engine, PartialRollout(newest), chunk_tokens=4)
     results: dict = {}
     threads = [_ask(server, 0, 3, 2, results, "short"), _ask(server, 0, 7, 1, results, "middle"),
                _ask(server, 0, 50, 1, results, "long")]
@@ -102,7 +103,7 @@ def test_partial_rollout_eos_budget_versions_and_early_hand_back():
 
 def test_partial_rollout_joins_late_requests_on_the_newest_version():
     engine = ScriptedEngine(budget=12, chunk_seconds=0.1)
-    server = RolloutServer(lambda: engine, lambda: (3, "/w/3"), chunk_tokens=2)
+    server = RolloutServer(lambda: engine, PartialRollout(lambda: (3, "/w/3")), chunk_tokens=2)
     results: dict = {}
     first = _ask(server, 2, 12, 1, results, "first")
     time.sleep(0.15)
@@ -115,6 +116,60 @@ def test_partial_rollout_joins_late_requests_on_the_newest_version():
     assert g.versions.tolist() == [3, 3] and g.finished
     assert [v for v, _, _ in server.loads] == [3]
     assert 2 in engine.calls  # the late request shared a chunk with the running one
+
+
+class _Req:
+    def __init__(self, version: int) -> None:
+        self.version, self.weights_path = version, f"/w/{version}"
+
+
+def test_version_policies_choose_joiners_and_weights():
+    waiting = [_Req(1), _Req(2), _Req(1)]
+    join, stay = DispatchVersion().joiners(waiting, 1)
+    assert join == [waiting[0], waiting[2]] and stay == [waiting[1]]
+    assert DispatchVersion().weights_for([_Req(2)], loaded=5) == (2, "/w/2")  # the batch's own version
+    listing = {"newest": (None, "")}
+    partial = PartialRollout(lambda: listing["newest"])
+    assert partial.joiners(waiting, 1) == (waiting, [])  # every waiting request joins
+    assert partial.weights_for([_Req(1)], loaded=-1) == (1, "/w/1")  # nothing listed: the request's version
+    listing["newest"] = (4, "/w/4")
+    assert partial.weights_for([_Req(1), _Req(2)], loaded=3) == (4, "/w/4")  # the newest published
+    assert partial.weights_for([_Req(1)], loaded=6) == (6, "")  # never back to an older version
+    assert partial.weights_for([_Req(7)], loaded=6) == (7, "/w/7")  # a dispatch version newer than the listing
+
+
+class RetainingEngine(ScriptedEngine):
+    """Loading a version no longer in `store` fails as loading a deleted folder does."""
+
+    def __init__(self, budget: int, store: list[int]) -> None:
+        super().__init__(budget)
+        self.store = store
+
+    def load_version(self, version: int, weights_path: str) -> None:
+        if version not in self.store:
+            raise FileNotFoundError(weights_path)
+        super().load_version(version, weights_path)
+
+
+def test_partial_rollout_falls_back_to_the_newer_version_when_the_listed_one_is_retained_away():
+    store = [0, 1]
+
+    def newest():  # the listed version is retained away before the load, and a newer one published
+        version = store[-1]
+        if version == 1:
+            store[:] = [0, 2]
+        return version, f"/w/{version}"
+
+    engine = RetainingEngine(budget=3, store=store)
+    server = RolloutServer(lambda: engine, PartialRollout(newest), chunk_tokens=2)
+    (g,) = server.generate(0, "/w/0", [1, 3], 1, seed=0)
+    assert g.versions.tolist() == [2, 2, 2] and [v for v, _, _ in server.loads] == [2]
+
+    store[:] = [0, 3]  # a load failing on a version still listed is a real error: raised, not retried
+    engine.store = [0, 2]
+    with pytest.raises(FileNotFoundError):
+        server.generate(0, "/w/0", [1, 3], 1, seed=0)
+    server.close()
 
 
 def test_partial_rollout_logprobs_are_those_of_the_producing_version(tmp_path):
@@ -132,8 +187,8 @@ def test_partial_rollout_logprobs_are_those_of_the_producing_version(tmp_path):
         calls["n"] += 1
         return (0, paths[0]) if calls["n"] == 1 else (1, paths[1])
 
-    server = RolloutServer(lambda: HFRolloutEngine(paths[0], rollout_cfg, version=0, threads=None), newest,
-                           chunk_tokens=6)
+    server = RolloutServer(lambda: HFRolloutEngine(paths[0], rollout_cfg, version=0, threads=None),
+                           PartialRollout(newest), chunk_tokens=6)
     prompt = [1] + tokenizer.encode("count 42 step 10:")
     gens = server.generate(0, paths[0], prompt, 3, seed=7)
     server.close()
