@@ -1,0 +1,157 @@
+"""The trajectory store's layout on disk: creating it, opening it, and checking that what is there is whole.
+
+`storage.trajectory_store` reads and writes the store; these functions hold no state.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.api.asynchronous
+from zarr.codecs import BloscCodec
+
+from storage import _zarr_io as zio
+from storage.schema import (COLUMNS, FORMAT_NAME, METRICS_ARRAY, RAGGED, RAGGED_COUNTERS, SCHEMA_VERSION, TABLES,
+                            ChunkSizes, StoreCorruptError, StoreNotFoundError, StoreSchemaError)
+
+COMPRESSOR = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+COUNTERS = tuple(TABLES) + tuple(sorted(set(RAGGED_COUNTERS.values())))
+
+
+def _table_len(cols: dict[str, np.ndarray]) -> int:
+    return len(next(iter(cols.values()))) if cols else 0
+
+
+def _array_paths() -> list[str]:
+    paths = [f"{table}/{c.name}" for table in TABLES for c in COLUMNS[table]]
+    return paths + [f"updates/{METRICS_ARRAY}"] + [f"ragged/{name}" for name in RAGGED]
+
+
+def _counter(path: str) -> str:
+    """The commit counter that bounds the array at `path` (its table, or the ragged element counter)."""
+    group, name = path.split("/")
+    return RAGGED_COUNTERS[name] if group == "ragged" else group
+
+
+def _open_group(url: Any, mode: str, storage_options: dict | None) -> Any:
+    try:
+        return zarr.open_group(url, mode=mode, use_consolidated=False, zarr_format=3, storage_options=storage_options)
+    except FileNotFoundError:  # zarr's GroupNotFoundError is a FileNotFoundError too
+        path = zio.local_path(url)
+        if path is not None and os.path.isdir(path) and os.listdir(path):
+            raise StoreCorruptError(f"{url} exists but has no root zarr.json (truncated store?)") from None
+        raise StoreNotFoundError(f"no trajectory store at {url}") from None
+
+
+def _exists(url: Any, storage_options: dict | None) -> bool:
+    path = zio.local_path(url)
+    if path is not None:
+        return os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
+    try:
+        zarr.open_group(url, mode="r", use_consolidated=False, storage_options=storage_options)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _check_table(name: str) -> None:
+    if name not in TABLES:
+        raise KeyError(f"unknown table {name!r}; tables: {list(TABLES)}")
+
+
+def _initial_attrs(meta: dict) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "meta": meta,
+        "committed": dict.fromkeys(COUNTERS, 0),
+        "vocab": {"instance": [""], "filtered": [""], "reward_error": [""]},
+        "metric_names": [],
+    }
+
+
+async def _create_layout(url: Any, chunks: ChunkSizes, attrs: dict, storage_options: dict | None) -> None:
+    """Create the groups and empty arrays (concurrently: ~30 metadata writes), then the root attributes. The
+    schema_version comes last, so a reader opening mid-creation gets a clear error, never half a schema."""
+    root = await zarr.api.asynchronous.open_group(url, mode="w", zarr_format=3, storage_options=storage_options)
+    names = (*TABLES, "ragged")
+    groups = dict(zip(names, await asyncio.gather(*(root.create_group(name) for name in names))))
+    specs = [(groups[t], c.name, (chunks.rows(t),), c.dtype, c.fill) for t in TABLES for c in COLUMNS[t]]
+    specs.append((groups["updates"], METRICS_ARRAY, (chunks.updates, chunks.metric_columns), "float64", np.nan))
+    specs += [(groups["ragged"], r.name, (chunks.ragged,), r.dtype, -1 if r.dtype.startswith("int") else np.nan)
+              for r in RAGGED.values()]
+    await asyncio.gather(*(group.create_array(name, shape=(0,) * len(chunk), chunks=chunk, dtype=dtype,
+                                              fill_value=fill, compressors=COMPRESSOR)
+                           for group, name, chunk, dtype, fill in specs))
+    await root.update_attributes(attrs)
+
+
+def check_store(root: Any, url: Any) -> None:
+    """Raise StoreSchemaError / StoreCorruptError unless `root` is a complete store of this schema version.
+    Reads metadata only (plus the last trajectory row); writes nothing."""
+    attrs = dict(root.attrs)
+    found = attrs.get("schema_version")
+    if found is None or attrs.get("format") != FORMAT_NAME:
+        raise StoreSchemaError(f"{url} is not a trajectory store (no format/schema_version attributes; "
+                               f"this code reads schema_version {SCHEMA_VERSION})")
+    if found != SCHEMA_VERSION:
+        raise StoreSchemaError(f"{url} has schema_version {found}; this code reads schema_version {SCHEMA_VERSION}")
+    missing_attrs = [k for k in ("meta", "committed", "vocab", "metric_names") if k not in attrs]
+    if missing_attrs or any(k not in attrs["committed"] for k in COUNTERS):
+        raise StoreCorruptError(f"{url}: root attributes incomplete (missing {missing_attrs or 'commit counters'})")
+    arrays = _open_arrays(root, url)
+    problems = _length_problems(arrays, attrs)
+    if not problems:
+        problems = _ragged_span_problems(arrays, attrs["committed"])
+    if problems:
+        raise StoreCorruptError(f"{url}: " + "; ".join(problems))
+
+
+def _open_arrays(root: Any, url: Any) -> dict[str, Any]:
+    arrays, missing = {}, []
+    for path in _array_paths():
+        try:
+            arrays[path] = root[path]
+        except (KeyError, FileNotFoundError, ValueError, OSError):
+            missing.append(path)
+    if missing:
+        raise StoreCorruptError(f"{url}: missing arrays: {', '.join(missing)}")
+    return arrays
+
+
+def _length_problems(arrays: dict[str, Any], attrs: dict) -> list[str]:
+    committed = attrs["committed"]
+    problems = []
+    for path, array in arrays.items():
+        counter = _counter(path)
+        if array.shape[0] < committed[counter]:
+            problems.append(f"{path} has {array.shape[0]} rows, fewer than the {committed[counter]} committed "
+                            f"{counter} (truncated store)")
+    metrics = arrays[f"updates/{METRICS_ARRAY}"]
+    if metrics.shape[1] < len(attrs["metric_names"]):
+        problems.append(f"updates/{METRICS_ARRAY} has {metrics.shape[1]} columns for "
+                        f"{len(attrs['metric_names'])} metric names")
+    return problems
+
+
+def _ragged_span_problems(arrays: dict[str, Any], committed: dict[str, int]) -> list[str]:
+    n = committed["trajectories"]
+    if n == 0:
+        return []
+    problems = []
+    for name, spec in RAGGED.items():
+        cols = [spec.start_column, *spec.length_columns]
+        try:
+            end = sum(int(arrays[f"trajectories/{c}"][n - 1]) for c in cols)
+        except Exception as exc:
+            return [f"cannot read the last trajectory row: {exc}"]
+        if end > committed[RAGGED_COUNTERS[name]]:
+            problems.append(f"the last trajectory ends at {end} in ragged/{name}, beyond its "
+                            f"{committed[RAGGED_COUNTERS[name]]} committed elements")
+    return problems
+
+
+# -------------------------------------------------------------------- encoding records
