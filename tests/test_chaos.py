@@ -4,7 +4,7 @@ store passes the audit, versions are contiguous, every dispatched prompt is trai
 each step of each metric once, equal to the store.
 
 The default suite runs two trials (the trainer, the driver); `pytest -m chaos` runs DORA_CHAOS_TRIALS (default 6)
-trials whose victim and moment come from the seed."""
+trials from seed DORA_CHAOS_SEED (default 0) on, whose victim and moment come from the seed."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,10 +23,10 @@ import psutil
 import pytest
 
 from conftest import SMALL_RUN
+from processes import dora, kill_group
 from storage.audit import audit_store
 from storage.trajectory_store import TrajectoryStore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VICTIMS = ("rollout", "trainer", "cpu", "driver")
 N, K, TBS, G = 10, 1, 4, 4
 RUN_TIMEOUT_S = 900
@@ -43,19 +42,6 @@ class Trial:
     delay_s: float  # ... and this long after
     killed: bool = False
     resumed: bool = False
-
-
-def dora(log_path, *args: str) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, text=True, start_new_session=True)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = RUN_TIMEOUT_S) -> None:
@@ -190,7 +176,9 @@ def test_a_killed_trainer_or_driver_leaves_a_whole_run(tmp_path, victim):
 
 @pytest.mark.chaos
 def test_chaos_trials(tmp_path):
-    trials = [run_trial(tmp_path, trial_of(seed)) for seed in range(int(os.environ.get("DORA_CHAOS_TRIALS", "6")))]
+    first = int(os.environ.get("DORA_CHAOS_SEED", "0"))
+    trials = [run_trial(tmp_path, trial_of(seed))
+              for seed in range(first, first + int(os.environ.get("DORA_CHAOS_TRIALS", "6")))]
     print("\nchaos trials: " + "; ".join(f"seed {t.seed} {t.victim} after update {t.after_updates} +{t.delay_s:.2f}s "
                                          f"{'killed' if t.killed else 'finished first'}"
                                          f"{', resumed' if t.resumed else ''}" for t in trials))

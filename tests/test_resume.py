@@ -14,23 +14,9 @@ from storage.audit import audit_store
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from conftest import SMALL_RUN as SMALL_RUN_ARGS
+from processes import dora, kill_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def dora(log_path, *args: str) -> subprocess.Popen:
-    """`dora ...` in its own session, output to a file (a full pipe would stall it)."""
-    log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, text=True, start_new_session=True)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """Clean up worker processes the killed driver left behind (they are in its session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.mark.slow
