@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipelines.orchestrator import Load
+
 
 # ---- tasks -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -66,14 +68,6 @@ class UpdateSubmitted:
 
 
 @dataclass(frozen=True)
-class VersionAssigned:
-    """The orchestrator assigned `instance` the policy `version` (its rollout server loads it with the next group)."""
-
-    instance: str
-    version: int
-
-
-@dataclass(frozen=True)
 class Published:
     """Update `update` ended and version `update + 1` is taken in; `metrics` are also in the store's update row."""
 
@@ -106,5 +100,5 @@ class Turn:
     metrics: dict[str, float] = field(hash=False)
 
 
-Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | VersionAssigned | Published
-         | Evaluated | TrainerRestored | Turn)
+Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | Load | Published | Evaluated
+         | TrainerRestored | Turn)  # Load: the orchestrator's own decision, passed on as it is

@@ -9,14 +9,12 @@ exit the trajectory store is flushed and closed, so nothing already produced is 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
-
-import hashlib
 import shutil
+from dataclasses import dataclass, field
 
 import yaml
 from distributed import Client
@@ -26,17 +24,17 @@ from dora_tasks.core.config import Config, apply_overrides, config_from_dict
 from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.workloads.datasets import load_prompts
-from dora_tasks.workloads.rewards import RewardError, resolve_reward_fn
-from pipelines.cluster import connect, wait_for_workers
+from dora_tasks.workloads.rewards import check_reward_fn
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
-from pipelines.driver import Driver, RunError  # noqa: F401 - RunError: what a failed run raises
-from pipelines.trainer_recovery import MIN_WORKER_WAIT_S, TRAINER
+from pipelines.cluster import connect, wait_for_workers
+from pipelines.driver import Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
 from pipelines.gate import VersionGate
 from pipelines.live import LiveView
 from pipelines.metrics import summary as timing_summary
 from pipelines.orchestrator import Orchestrator
 from pipelines.tracking import Tracker
+from pipelines.trainer_recovery import MIN_WORKER_WAIT_S, TRAINER
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
@@ -235,18 +233,6 @@ def _resumed_state(cfg: Config, ckpt):
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")
     store.truncate_to(state["store_rows"])
     return gate, orch, store
-
-
-def check_reward_fn(dotted: str) -> None:
-    """The reward function resolves and takes (prompt, response, answer), before any cluster starts."""
-    fn = resolve_reward_fn(dotted)
-    try:
-        inspect.signature(fn).bind("prompt", "response", "answer")
-    except TypeError as exc:
-        raise RewardError(f"task.reward_fn {dotted!r}: cannot be called as fn(prompt, response, answer): "
-                          f"{exc}") from None
-    except ValueError:  # a builtin without a signature: it is called as it is
-        pass
 
 
 def _checkpoint_to_resume(checkpoints: CheckpointStore):

@@ -13,7 +13,6 @@ once; finished groups stream into the next batch; the gate keeps every batch wit
 from __future__ import annotations
 
 from pipelines.driver import Driver
-from pipelines.events import VersionAssigned
 from pipelines.orchestrator import Start
 from pipelines.run import open_run
 
@@ -28,7 +27,7 @@ def stream(d: Driver, on_turn=None) -> None:
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v)
             else:
-                d.emit(VersionAssigned(action.instance, action.version))
+                d.emit(action)  # Load: an instance assigned a version
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         for future in d.wait_any(TICK_S):  # whichever finishes first

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pipelines import run as run_module
+from dora_tasks.workloads.rewards import RewardError, check_reward_fn
 from pipelines.driver import Driver, RewardFailureError
 from pipelines.events import EvaluationTask, TrainerRestored
 from pipelines.gate import VersionGate
@@ -110,8 +110,8 @@ def test_a_reward_path_that_does_not_resolve_fails_at_once_and_leaves_no_run_fol
 
 
 def test_a_reward_that_cannot_take_three_arguments_is_refused_before_work():
-    with pytest.raises(run_module.RewardError, match="takes_one_argument"):
-        run_module.check_reward_fn("faulty_rewards.takes_one_argument")
+    with pytest.raises(RewardError, match="takes_one_argument"):
+        check_reward_fn("faulty_rewards.takes_one_argument")
 
 
 def test_resume_of_a_run_folder_that_is_not_a_run_is_one_line(tmp_path):

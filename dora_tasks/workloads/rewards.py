@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +61,18 @@ def resolve_reward_fn(dotted: str) -> RewardFn:
     if not callable(fn):
         raise RewardError(f"reward_fn {dotted!r}: {attr!r} is a {type(fn).__name__}, not a callable")
     return fn
+
+
+def check_reward_fn(dotted: str) -> None:
+    """The reward function resolves and takes (prompt, response, answer), before any cluster starts."""
+    fn = resolve_reward_fn(dotted)
+    try:
+        inspect.signature(fn).bind("prompt", "response", "answer")
+    except TypeError as exc:
+        raise RewardError(f"task.reward_fn {dotted!r}: cannot be called as fn(prompt, response, answer): "
+                          f"{exc}") from None
+    except ValueError:  # a builtin without a signature: it is called as it is
+        pass
 
 
 def score(fn: RewardFn, prompt_text: str, response_text: str, answer: str, timeout_s: float) -> tuple[float, str]:
