@@ -88,7 +88,7 @@ class TaskConfig:
     max_count: int = 400  # long-tail cap of the countdown task
 
     def validate(self) -> None:
-        _choice(self.name, "task.name", ("countdown", "dataset"))
+        _choice(self.name, "task.name", ("countdown", "dataset", "emulated"))
         if self.name == "dataset":
             _require(bool(self.dataset), "task.dataset", "required when task.name=dataset")
         _require(self.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
@@ -124,7 +124,7 @@ class RolloutConfig:
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
 
     def validate(self) -> None:
-        _choice(self.engine, "rollout.engine", ("hf", "vllm"))
+        _choice(self.engine, "rollout.engine", ("hf", "vllm", "emulated"))
         _require(self.instances >= 1, "rollout.instances", f"must be >= 1, got {self.instances}")
         _require(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _require(self.slots >= 1, "rollout.slots", f"must be >= 1, got {self.slots}")
@@ -162,7 +162,7 @@ class TrainConfig:
     importance_cap: float = 2.0  # C of tis's min(ratio, C) and cap of decoupled_ppo's behaviour weight
 
     def validate(self) -> None:
-        _choice(self.engine, "train.engine", ("torch", "deepspeed"))
+        _choice(self.engine, "train.engine", ("torch", "deepspeed", "emulated"))
         _choice(self.loss_agg, "train.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
         _require(self.loss_norm_len >= 0, "train.loss_norm_len", f"must be >= 0, got {self.loss_norm_len}")
         _require(self.importance_cap >= 1, "train.importance_cap", f"must be >= 1, got {self.importance_cap}")
@@ -276,6 +276,45 @@ class TrackingConfig:
 
 
 @dataclass
+class EmulationConfig:
+    """Timing models of GPU engines for scale studies (`rollout.engine=emulated`, `train.engine=emulated`,
+    `task.name=emulated`); never a default. Every figure of an emulated run is in emulated seconds.
+    Cost model: `dora_tasks/emulation/cost_model.py`; lengths: `dora_tasks/emulation/lengths.py`."""
+
+    accelerator: str = "H800"  # dora_tasks/emulation/hardware.py ACCELERATORS
+    model: str = "qwen2.5-32b"  # dora_tasks/emulation/hardware.py MODELS
+    tp: int = 2  # accelerators per rollout instance (tensor parallel): the smallest group that holds the 32B weights
+    #              (65 GB) with room for a KV cache on 80 GB parts
+    trainer_gpus: int = 32  # accelerators the emulated trainer's time is computed for
+    bandwidth_efficiency: float = 0.5  # achieved share of HBM bandwidth in decode
+    decode_mfu: float = 0.5
+    prefill_mfu: float = 0.5
+    train_mfu: float = 0.25
+    train_flops_factor: float = 8.0  # FLOPs per parameter per token of an update
+    store_bandwidth: float = 2e9  # bytes/s per accelerator reading the weight store
+    speedup: float = 20.0  # emulated seconds per wall second
+    response_p50: float = 1200.0
+    prompt_sigma: float = 0.75
+    sample_sigma: float = 0.75
+    response_cap: int = 30720
+    prompt_p50: float = 180.0
+    reward_rate: float = 0.5  # share of synthetic rewards that are 1 (synthetic: no model answers anything)
+
+    def validate(self) -> None:
+        from_names = {"accelerator": ("H800", "H100", "H200"), "model": ("qwen2.5-32b", "qwen2.5-7b")}
+        for key, allowed in from_names.items():
+            _choice(getattr(self, key), f"emulation.{key}", allowed)
+        for key in ("tp", "trainer_gpus", "response_cap"):
+            _require(getattr(self, key) >= 1, f"emulation.{key}", f"must be >= 1, got {getattr(self, key)}")
+        for key in ("bandwidth_efficiency", "decode_mfu", "prefill_mfu", "train_mfu"):
+            value = getattr(self, key)
+            _require(0 < value <= 1, f"emulation.{key}", f"must be in (0, 1], got {value}")
+        for key in ("speedup", "store_bandwidth", "response_p50", "prompt_p50", "train_flops_factor"):
+            _require(getattr(self, key) > 0, f"emulation.{key}", f"must be > 0, got {getattr(self, key)}")
+        _require(0 <= self.reward_rate <= 1, "emulation.reward_rate", f"must be in [0, 1], got {self.reward_rate}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -285,13 +324,19 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        emulated = {"rollout.engine": self.rollout.engine == "emulated", "train.engine": self.train.engine == "emulated",
+                    "task.name": self.task.name == "emulated"}
+        _require(len(set(emulated.values())) == 1, "emulation",
+                 "rollout.engine, train.engine and task.name are all 'emulated' or none is; got "
+                 + ", ".join(f"{k}={'emulated' if v else 'real'}" for k, v in emulated.items()))
         if self.rollout.partial_rollout:
-            _require(self.rollout.engine == "hf", "rollout.partial_rollout",
-                     "the partial-rollout baseline is implemented for rollout.engine=hf only")
+            _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
+                     "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,101 @@
+"""Seconds of accelerator work, from public specifications and a few stated efficiencies.
+
+One rollout instance is one data-parallel rollout group of `tp` accelerators (tensor parallel): weights and KV cache
+are split over them, so bandwidth and FLOP/s add up. The formulas (each a roofline: the slower of memory and compute):
+
+* decode step of `rows` sequences holding `context` tokens in all: reads the weights once and every cached key and
+  value, ``(W + context * kv) / (tp * HBM * bandwidth_efficiency)``; computes ``2 P rows + 4 L d context`` FLOPs
+  (matmuls plus attention over the cache) at ``tp * peak * decode_mfu``; plus two all-reduces per layer of
+  ``rows * hidden`` activations over the intra-node links when ``tp > 1``;
+* prefill of `n` tokens: ``2 P n + 2 L d n^2`` FLOPs at ``tp * peak * prefill_mfu`` (one causal attention square);
+* training on sequences of lengths ``l_i``: ``f P sum(l_i) + f L d sum(l_i^2)`` FLOPs at ``gpus * peak * train_mfu``,
+  with ``f = train_flops_factor`` (8: a forward for the old log-probs, then forward and backward; causal attention);
+* weights moved: ``W`` bytes over the bandwidth of the path (each of the `tp` accelerators takes its shard in
+  parallel over its own link).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from dora_tasks.emulation.hardware import ACCELERATORS, MODELS, Accelerator, ModelSpec
+
+
+@dataclass(frozen=True)
+class CostModel:
+    accelerator: Accelerator
+    model: ModelSpec
+    tp: int = 2  # accelerators per rollout instance
+    bandwidth_efficiency: float = 0.5  # achieved share of HBM bandwidth in decode
+    decode_mfu: float = 0.5
+    prefill_mfu: float = 0.5
+    train_mfu: float = 0.25  # RL batches of mixed lengths, below the 40-50% Megatron-LM reaches in pre-training
+    train_flops_factor: float = 8.0
+    memory_utilization: float = 0.9  # share of HBM an engine may use (vLLM's gpu_memory_utilization)
+    store_bandwidth: float = 2e9  # bytes/s per accelerator reading the weight store
+
+    @classmethod
+    def named(cls, accelerator: str, model: str, **settings) -> "CostModel":
+        return cls(ACCELERATORS[accelerator], MODELS[model], **settings)
+
+    # ---- rollout ---------------------------------------------------------------------------------------------------
+    def kv_capacity_tokens(self) -> int:
+        """Tokens whose keys and values fit in one instance beside its weights."""
+        free = self.tp * self.accelerator.hbm_bytes * self.memory_utilization - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} does not fit on {self.tp} x {self.accelerator.name}")
+        return int(free // self.model.kv_bytes_per_token)
+
+    def decode_step_s(self, rows: int, context: int) -> float:
+        """One decode step of `rows` sequences whose caches hold `context` tokens in all."""
+        if rows <= 0:
+            return 0.0
+        a, m = self.accelerator, self.model
+        memory = (m.weight_bytes + context * m.kv_bytes_per_token) / (self.tp * a.hbm_bandwidth
+                                                                       * self.bandwidth_efficiency)
+        flops = 2 * m.params * rows + 4 * m.layers * m.attention_width * context
+        compute = flops / (self.tp * a.peak_flops * self.decode_mfu)
+        return max(memory, compute) + self._all_reduce_s(rows)
+
+    def prefill_s(self, tokens: int) -> float:
+        """Encoding `tokens` tokens of one sequence (a prompt, or a response re-encoded)."""
+        m = self.model
+        flops = 2 * m.params * tokens + 2 * m.layers * m.attention_width * tokens * tokens
+        return flops / (self.tp * self.accelerator.peak_flops * self.prefill_mfu) + self._all_reduce_s(tokens)
+
+    def _all_reduce_s(self, rows: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        m = self.model
+        ring = 2 * (self.tp - 1) / self.tp  # a ring all-reduce sends this share of the buffer per accelerator
+        return 2 * m.layers * rows * m.hidden * m.bytes_per_param * ring / self.accelerator.link_bandwidth
+
+    # ---- training and weights ----------------------------------------------------------------------------------------
+    def train_s(self, lengths: Iterable[int], gpus: int) -> float:
+        """One update over sequences of these lengths (prompt + response) on `gpus` accelerators."""
+        m = self.model
+        total = square = 0
+        for n in lengths:
+            total += n
+            square += n * n
+        flops = self.train_flops_factor * (m.params * total + m.layers * m.attention_width * square)
+        return flops / (gpus * self.accelerator.peak_flops * self.train_mfu)
+
+    def weights_from_peer_s(self) -> float:
+        """An instance takes a version from an instance that holds it, each accelerator its shard over its NIC."""
+        return self.model.weight_bytes / (self.tp * self.accelerator.network_bandwidth)
+
+    def weights_from_store_s(self) -> float:
+        return self.model.weight_bytes / (self.tp * self.store_bandwidth)
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """Moving one request's KV cache of `tokens` tokens to another instance (request migration)."""
+        return tokens * self.model.kv_bytes_per_token / (self.tp * self.accelerator.network_bandwidth)
+
+
+def cost_model_from(emulation) -> CostModel:
+    """The cost model an `EmulationConfig` describes."""
+    e = emulation
+    return CostModel.named(e.accelerator, e.model, tp=e.tp, bandwidth_efficiency=e.bandwidth_efficiency,
+                           decode_mfu=e.decode_mfu, prefill_mfu=e.prefill_mfu, train_mfu=e.train_mfu,
+                           train_flops_factor=e.train_flops_factor, store_bandwidth=e.store_bandwidth)
