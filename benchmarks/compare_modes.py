@@ -59,7 +59,7 @@ MODES = [  # (name, overrides, cluster shape: overrides of the embedded cluster;
     ("partial rollout K=1", ["dora.max_staleness=1", "rollout.partial_rollout=true"], []),
     ("DORA K=2", ["dora.max_staleness=2"], []),
     ("DORA K=3", ["dora.max_staleness=3"], []),
-    ("DORA K=3 queued switching", ["dora.max_staleness=3", "rollout.queue_while_draining=true"], []),
+    ("DORA K=3 queued switching", ["dora.max_staleness=3", "rollout.switching=queue"], []),
     ("sync K=0 colocated", ["dora.max_staleness=0"], COLOCATED),
     ("DORA K=3 colocated", ["dora.max_staleness=3"], COLOCATED),
 ]
@@ -364,7 +364,7 @@ def accuracy_curves(rows: list[dict], cfg, client, eval_every: int) -> None:
     from dora_tasks import steps
     from dora_tasks.model import load_tokenizer
     from dora_tasks.workloads.datasets import load_prompts
-    from pipelines.driver import CPU
+    from pipelines.cluster import CPU
 
     _, eval_prompts = load_prompts(cfg.task, load_tokenizer(cfg.model.path), cfg.dora.seed)
     n = cfg.dora.num_updates

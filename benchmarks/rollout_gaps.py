@@ -1,7 +1,7 @@
 """Where the rollout bubble goes: every gap between a rollout engine's busy spans, with the driver's state around it.
 
     python benchmarks/rollout_gaps.py                                   # K=3, default switching, ~1 min
-    python benchmarks/rollout_gaps.py rollout.queue_while_draining=true # queued switching, same run otherwise
+    python benchmarks/rollout_gaps.py rollout.switching=queue # queued switching, same run otherwise
 
 One real pipeline run (`configs/longtail_bench.yaml`, embedded cluster, one rollout instance) through
 `pipelines.streaming.stream`, whose `on_turn` hook records the driver's state at every turn of its loop: the gate's

@@ -31,6 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipelines.cluster import CPU, ROLLOUT, TRAINER  # noqa: E402
+
 VARIANTS = ("pipeline", "scoring per group", "fused scoring per group")
 ROLES = ("driver + scheduler", "rollout instances", "reward/advantage", "trainer")  # as compare_modes.worker_roles
 PROMPT_TOKENS, RESPONSE_TOKENS = 15, 5
@@ -97,21 +99,21 @@ class Loop:
     def submit_group(self) -> None:
         submit, gid = self.client.submit, self.next_group
         self.next_group += 1
-        rolled = submit(empty_rollout, gid, self.g, key=("rollout", gid), resources={"ROLLOUT": 1}, pure=False)
+        rolled = submit(empty_rollout, gid, self.g, key=("rollout", gid), resources=ROLLOUT, pure=False)
         if self.variant == "pipeline":
             self.rolling[rolled.key] = rolled
             rolled.add_done_callback(self.finished.put)
         elif self.variant == "fused scoring per group":
-            self.watch(submit(empty_scoring, rolled, key=("scoring", gid), resources={"CPU": 1}, pure=False), 1)
+            self.watch(submit(empty_scoring, rolled, key=("scoring", gid), resources=CPU, pure=False), 1)
         else:
-            rewarded = submit(empty_reward, rolled, key=("reward", gid), resources={"CPU": 1}, pure=False)
-            self.watch(submit(empty_advantage, rewarded, key=("advantage", gid), resources={"CPU": 1}, pure=False), 1)
+            rewarded = submit(empty_reward, rolled, key=("reward", gid), resources=CPU, pure=False)
+            self.watch(submit(empty_advantage, rewarded, key=("advantage", gid), resources=CPU, pure=False), 1)
 
     def submit_scoring(self, rolled: list) -> None:
         """The pipeline's shape: one reward and one advantage task for the rollouts that ended in one turn."""
         n = self.scoring_tasks
-        rewarded = self.client.submit(empty_rewards, rolled, key=("reward", n), resources={"CPU": 1}, pure=False)
-        self.watch(self.client.submit(empty_advantages, rewarded, key=("advantage", n), resources={"CPU": 1},
+        rewarded = self.client.submit(empty_rewards, rolled, key=("reward", n), resources=CPU, pure=False)
+        self.watch(self.client.submit(empty_advantages, rewarded, key=("advantage", n), resources=CPU,
                                       pure=False), len(rolled))
 
     def watch(self, scored, groups: int) -> None:
@@ -123,8 +125,8 @@ class Loop:
     def submit_update(self, groups: list):
         u = self.next_update
         self.next_update += 1
-        checked = self.client.submit(empty_gate, u, *groups, key=("gate", u), resources={"CPU": 1}, pure=False)
-        updated = self.client.submit(empty_update, checked, key=("update", u), resources={"TRAINER": 1}, pure=False)
+        checked = self.client.submit(empty_gate, u, *groups, key=("gate", u), resources=CPU, pure=False)
+        updated = self.client.submit(empty_update, checked, key=("update", u), resources=TRAINER, pure=False)
         updated.add_done_callback(self.finished.put)
         return updated
 

@@ -53,7 +53,8 @@ class HFCharTokenizer(PreTrainedTokenizer):
 
     def __init__(self, charset: str = CHARSET, **kwargs) -> None:
         self.char = CharTokenizer(charset)
-        self._inverse = {i: ch for ch, i in self.char._index.items()} | {i: t for t, i in SPECIALS.items()}
+        self._vocab = dict(SPECIALS) | dict(zip(charset, self.char.encode(charset)))
+        self._inverse = {i: token for token, i in self._vocab.items()}
         kwargs.setdefault("padding_side", "left")
         super().__init__(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", **kwargs)
 
@@ -62,13 +63,13 @@ class HFCharTokenizer(PreTrainedTokenizer):
         return self.char.vocab_size
 
     def get_vocab(self) -> dict[str, int]:
-        return dict(SPECIALS) | dict(self.char._index)
+        return dict(self._vocab)
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         return list(text)
 
     def _convert_token_to_id(self, token: str) -> int:
-        return SPECIALS.get(token, self.char._index.get(token, self.char._index["?"]))
+        return self._vocab.get(token, self._vocab["?"])
 
     def _convert_id_to_token(self, index: int) -> str:
         return self._inverse.get(int(index), "?")

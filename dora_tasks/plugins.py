@@ -10,11 +10,13 @@ lazily on first use (engine start takes seconds), and is set up again by Dask wh
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 from distributed import WorkerPlugin, get_worker
 
 from dora_tasks.allocator import relax_malloc_trimming
+from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import RolloutConfig, TrainConfig
 
 ROLLOUT_PLUGIN = "dora-rollout"
@@ -28,9 +30,8 @@ WORKER_ENV = {
 def _set_worker_env() -> None:
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "torch" in sys.modules:  # else torch takes OMP_NUM_THREADS when first imported: emulated workers never import it
+        sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     relax_malloc_trimming()  # the nanny's MALLOC_TRIM_THRESHOLD_ doubles a train step's time (allocator.py)
 
 
@@ -39,6 +40,8 @@ class RolloutPlugin(WorkerPlugin):
     model_path: str
     rollout: RolloutConfig
     weight_store: str
+    engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_rollout_engine`)
+    clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of groups and busy spans
     name: str = ROLLOUT_PLUGIN
 
     def setup(self, worker) -> None:
@@ -58,7 +61,8 @@ class RolloutPlugin(WorkerPlugin):
             return version, "" if version is None else store.path_for(version)
 
         policy = PartialRollout(newest) if self.rollout.partial_rollout else DispatchVersion()
-        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0), policy,
+        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0,
+                                                                **self.engine_options), policy,
                                     self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache)
 
     def teardown(self, worker) -> None:
@@ -79,6 +83,8 @@ class TrainerPlugin(WorkerPlugin):
     weight_store: str
     train: TrainConfig
     temperature: float = 1.0  # rollout sampling temperature: behaviour log-probs are taken after it
+    engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_train_engine`)
+    clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of updates and publishes
     name: str = TRAINER_PLUGIN
 
     def setup(self, worker) -> None:
@@ -108,7 +114,8 @@ class TrainerPlugin(WorkerPlugin):
             self.engine.close()
             self.engine = None
         path = WeightStore(self.weight_store).path_for(version)
-        self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature)
+        self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature,
+                                        **self.engine_options)
         return self.engine
 
     def get_engine(self, version: int):
@@ -124,3 +131,16 @@ def rollout_server():
 
 def trainer_plugin() -> TrainerPlugin:
     return get_worker().plugins[TRAINER_PLUGIN]
+
+
+def rollout_clock() -> Clock:
+    return get_worker().plugins[ROLLOUT_PLUGIN].clock
+
+
+def busy_spans(dask_worker):
+    """(start, end) spans in which a rollout instance decoded, on the run's clock (`client.run` on every worker;
+    None elsewhere). The server records wall times; the clock maps them exactly. It lives here, not beside the
+    driver, so that unpickling it on a worker imports nothing more than the worker holds."""
+    plugin = dask_worker.plugins.get(ROLLOUT_PLUGIN)
+    server = getattr(plugin, "server", None)
+    return None if server is None else [(plugin.clock.at(s), plugin.clock.at(e)) for s, e in server.busy.spans]

@@ -13,16 +13,16 @@ Which version a batch runs on and which waiting groups may join it is the server
   its prompt plus the tokens so far, as AReaL's interruptible generation does), so each token's log-prob and version
   are those of the version that produced it and C1 is broken on purpose.
 
-Batching (``rollout.chunk_tokens``):
+Batching (``rollout.chunk_tokens``), one chunk loop: between chunks, requests whose responses all ended are handed
+back and waiting requests the policy lets join are added. On an engine with ``open_session`` (transformers) running
+rows keep their KV cache between chunks (``rollout.keep_kv_cache``; `dora_tasks.engines.fast_session` or
+`dora_tasks.engines.hf_session`); otherwise a continuing response is re-encoded by the same weights (vLLM's prefix
+cache keeps that cheap). A response ends at its first eos (kept) or when ``max_new_tokens`` is spent (unfinished).
 
-* ``0``, static batches: one call per batch; requests that arrive meanwhile wait until its longest response ends.
-* ``> 0``, continuous batching at chunk granularity: between chunks of ``chunk_tokens`` tokens, requests whose
-  responses all ended are handed back and waiting requests the policy lets join are added. On an engine with
-  ``open_session`` (transformers) running rows keep their KV cache between chunks (``rollout.keep_kv_cache``;
-  `dora_tasks.engines.fast_session` or `dora_tasks.engines.hf_session`); otherwise a continuing response is
-  re-encoded by the same weights (vLLM's prefix cache keeps that cheap). Groups queued behind a long response are
-  decoded in the same steps, which keeps the batch full under long-tailed lengths.
-  A response ends at its first eos (kept) or when ``max_new_tokens`` is spent (unfinished).
+* ``> 0``, continuous batching: chunks of ``chunk_tokens`` tokens. Groups queued behind a long response are decoded
+  in the same steps, which keeps the batch full under long-tailed lengths.
+* ``0``, static batches: the chunk is the whole response budget, so every response ends in the batch's first chunk
+  and nobody joins it midway; requests that arrive meanwhile wait until its longest response ends.
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], policy: VersionPolicy | None = None,
                  chunk_tokens: int = 0, *, keep_kv_cache: bool = True):
         """`policy`: which version a batch runs on and who joins it (default `DispatchVersion`, DORA's).
-        `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches).
+        `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches, one chunk of
+        the whole response budget).
         `keep_kv_cache`: on an engine with `open_session`, running rows keep their KV cache between chunks instead
         of being re-encoded."""
         self._make_engine = make_engine
@@ -153,19 +154,6 @@ class RolloutServer:
         return self._engine
 
     def _serve(self, batch: list[_Request]) -> None:
-        if self._chunk:
-            self._serve_session(batch)
-            return
-        engine = self._load_for(batch)
-        start = time.time()
-        outputs = engine.generate([r.prompt_ids for r in batch], batch[0].n, batch[0].seed)
-        self.busy.spans.append((start, time.time()))
-        for request, gens in zip(batch, outputs):
-            request.result = gens
-            request.done.set()
-
-    # ---- continuous batching in chunks ----------------------------------------------------------------------------
-    def _serve_session(self, batch: list[_Request]) -> None:
         """Generate chunk by chunk until every request of the batch, and of those that joined it, is answered.
 
         Each turn: load the version the policy names, decode one chunk of every live response in the engine's
@@ -184,27 +172,39 @@ class RolloutServer:
                 engine = self._load_for([r for r, _ in active])
                 budget = engine.max_new_tokens
                 live = {id(s): s for _, states in active for s in states if not s.done(budget)}
-                if session is None or session.version != engine.version:  # (re-)encode every live row
-                    session = self._open_session(engine)
-                    for key, s in live.items():
-                        session.add(key, s.prompt_ids + s.tokens)
-                else:
-                    for _, states in fresh:
-                        for s in states:
-                            session.add(id(s), s.prompt_ids)
+                session = self._rows_in_session(session, engine, live, fresh)
                 if live:
-                    steps = {key: min(self._chunk, budget - len(s.tokens)) for key, s in live.items()}
-                    start = time.time()
-                    outs = session.decode(steps, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
+                    self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
-                    self.busy.spans.append((start, time.time()))
-                    for key, g in outs.items():
-                        live[key].extend(g, budget - len(live[key].tokens))
-                    session.drop([key for key, s in live.items() if s.done(budget)])
                 active, pending = self._end_turn(active, budget)
         except BaseException as exc:
             _fail([r for r, _ in active] + pending, exc)
             raise
+
+    def _rows_in_session(self, session: DecodeSession | None, engine: RolloutEngine, live: dict,
+                         fresh: list) -> DecodeSession:
+        """The session to decode the live rows in: the same one with the fresh rows added, or, on another version,
+        a new one with every live row re-encoded."""
+        if session is None or session.version != engine.version:
+            session = self._open_session(engine)
+            for key, s in live.items():
+                session.add(key, s.prompt_ids + s.tokens)
+            return session
+        for _, states in fresh:
+            for s in states:
+                session.add(id(s), s.prompt_ids)
+        return session
+
+    def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
+        """One chunk of every live response: `chunk_tokens`, or the rest of its budget (0: static batches)."""
+        chunk = self._chunk or budget
+        steps = {key: min(chunk, budget - len(s.tokens)) for key, s in live.items()}
+        start = time.time()
+        outs = session.decode(steps, seed)
+        self.busy.spans.append((start, time.time()))
+        for key, g in outs.items():
+            live[key].extend(g, budget - len(live[key].tokens))
+        session.drop([key for key, s in live.items() if s.done(budget)])
 
     def _open_session(self, engine: RolloutEngine) -> DecodeSession:
         kept = engine.open_session() if self._keep_kv_cache else None

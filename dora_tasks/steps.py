@@ -9,11 +9,11 @@ that groups which end in the same decode step cost two tasks together, not two e
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 from distributed import get_worker
 
+from dora_tasks.core.clock import Clock
 from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
                                UpdateResult)
 
@@ -22,22 +22,26 @@ from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch
 def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, group_size: int, seed: int,
             attempt: int = 0) -> Group:
     """Generate the G responses of one prompt on this instance, all with policy `version`."""
-    from dora_tasks.plugins import rollout_server
+    from dora_tasks.plugins import rollout_clock, rollout_server
 
-    server = rollout_server()
-    start = time.time()
+    server, clock = rollout_server(), rollout_clock()
+    start = clock.now()
     gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed)
     prompt_ids = np.asarray(prompt.token_ids, dtype=np.int32)
     trajectories = [
         Trajectory(group_id, i, prompt_ids, g.token_ids, g.versions, g.logprobs, g.finished)
         for i, g in enumerate(gens)
     ]
-    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, time.time())
+    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now())
 
 
 # ---- reward (CPU worker) -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_path: str):
+    from dora_tasks.emulation.task import SyntheticTokenizer, is_emulated_model
+
+    if is_emulated_model(model_path):  # task.name=emulated: no tokenizer, responses are synthetic
+        return SyntheticTokenizer()
     from dora_tasks.model import load_tokenizer
 
     return load_tokenizer(model_path)
@@ -117,25 +121,27 @@ def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
 
     from dora_tasks.plugins import trainer_plugin
 
-    engine = trainer_plugin().engine_at(batch.update)  # TrainerLost on a restarted trainer
+    plugin = trainer_plugin()
+    engine = plugin.engine_at(batch.update)  # TrainerLost on a restarted trainer
     if engine is None:
         raise Reschedule()
-    start = time.time()
+    start = plugin.clock.now()
     trainable = [g for g in batch.groups if not g.filtered]
     metrics = engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)) if trainable else {}
     if not trainable:
         engine.skip_step()
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
-    end = time.time()
-    return UpdateResult(batch.update, metrics, start, end, publish(engine, weight_store))
+    end = plugin.clock.now()
+    return UpdateResult(batch.update, metrics, start, end, publish(engine, weight_store, plugin.clock))
 
 
-def publish(engine, weight_store: str) -> PublishedWeights:
-    """Write the engine's weights, as the version it now holds, to the weight store."""
+def publish(engine, weight_store: str, clock: Clock = Clock()) -> PublishedWeights:
+    """Write the engine's weights, as the version it now holds, to the weight store (seconds on the run's clock)."""
     from storage.weight_store import WeightStore
 
-    return WeightStore(weight_store).publish(engine.version, engine.save_weights, overwrite=True)
+    published = WeightStore(weight_store).publish(engine.version, engine.save_weights, overwrite=True)
+    return PublishedWeights(published.version, published.path, clock.span(published.seconds))
 
 
 def save_trainer_checkpoint(folder: str) -> str:
@@ -194,7 +200,11 @@ def warm_up_trainer(version: int) -> int:
 def evaluate(weights_path: str, prompts: list[Prompt], model_path: str, reward_fn: str, max_new_tokens: int,
              seed: int, timeout_s: float, isolation: str, memory_bytes: int) -> float:
     """Greedy held-out accuracy of a published version (the tokenizer comes from the initial model folder), its
-    rewards under the same timeout and isolation as the run's."""
+    rewards under the same timeout and isolation as the run's; of an emulated model, the synthetic accuracy."""
+    from dora_tasks.emulation.task import is_emulated_model, synthetic_accuracy
+
+    if is_emulated_model(weights_path):
+        return synthetic_accuracy(prompts, _reward_fn(reward_fn))
     from dora_tasks.warmstart import evaluate as evaluate_policy
 
     return evaluate_policy(weights_path, prompts, _reward_fn(reward_fn), greedy=True, seed=seed,

@@ -8,7 +8,7 @@ for the same settings (`warmstart.json`) is returned at once.
 
 The loss is the mean over examples of each example's mean token loss, not a mean over all tokens: on a long-tailed
 task a token mean is dominated by the few long answers, and the model then learns the middle of long answers before
-it learns to copy the count and stop (measured: 0.22 vs 0.59 sampled accuracy after 200 steps).
+it learns to copy the count and stop.
 
 Simplified: the demonstration of a prompt is its answer (for countdown that is `countdown.demonstration`); a step's
 batch is sorted by length and run in chunks of similar length with gradient accumulation (same gradient as one
@@ -38,6 +38,8 @@ from dora_tasks.workloads.rewards import score_parallel
 SETTINGS_FILE = "warmstart.json"
 CHUNK_TOKENS = 2048  # padded tokens per forward pass inside a step
 WARMUP_FRACTION = 0.05
+FINAL_LOSS_STEPS = 10  # the reported final loss: the mean over this many last steps
+IGNORE_INDEX = -100  # a label the loss skips (prompt and padding), as in transformers
 EVAL_REWARD_LANES = 4  # held-out rewards are scored by up to this many parallel lanes (at most one per core)
 
 RewardFn = Callable[[str, str, str], float]
@@ -57,7 +59,7 @@ def warm_start(cfg: Config, out_dir: str) -> str:
                                  cfg.model.warmstart_lr, cfg.model.warmstart_batch, cfg.dora.seed)
     save_policy(model, tokenizer, out_dir)
     record = {"settings": settings, "seconds": time.perf_counter() - start,
-              "final_loss": float(np.mean(losses[-10:])) if losses else float("nan")}
+              "final_loss": float(np.mean(losses[-FINAL_LOSS_STEPS:])) if losses else float("nan")}
     with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
         json.dump(record, f, indent=1)
     return out_dir
@@ -138,11 +140,11 @@ def accumulate_batch(model: torch.nn.Module, batch: Sequence[tuple[list[int], in
 
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy per row [B] over the positions whose label is not -100."""
+    """Mean next-token cross-entropy per row [B] over the positions whose label is not `IGNORE_INDEX`."""
     targets = labels[:, 1:]
-    token_losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=-100,
+    token_losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
                                                      reduction="none")
-    counts = (targets != -100).sum(dim=1).clamp(min=1)
+    counts = (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
     return token_losses.sum(dim=1) / counts
 
 
@@ -159,10 +161,10 @@ def length_chunks(batch: Sequence[tuple[list[int], int]]) -> list[list[tuple[lis
 
 def pad_right(chunk: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) [B, L]: pad on the right (causal attention never looks ahead, so no mask is needed);
-    labels are -100 on the prompt and the padding."""
+    labels are `IGNORE_INDEX` on the prompt and the padding."""
     width = max(len(ids) for ids, _ in chunk)
     input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
-    labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+    labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
     for row, (ids, prompt_len) in enumerate(chunk):
         input_ids[row, :len(ids)] = torch.as_tensor(ids)
         labels[row, prompt_len:len(ids)] = torch.as_tensor(ids[prompt_len:])

@@ -6,6 +6,7 @@
     dora audit     STORE [--max-staleness K] [--json]     check C1-C3 on a trajectory store
     dora plots     RUN_DIR [--store S] [--out DIR]        redraw the PNGs of a run from its trajectory store
     dora config    --config FILE [key=value ...]          print the resolved configuration as YAML
+    dora simulate  [FILE] [key=value ...] [--gpus N --mode M --max-staleness K ...]  discrete-event simulation
 
 Bad input (unknown key, wrong type, out-of-range value, missing file, malformed override) prints one line
 `dora: error: <message>` on stderr and exits with 2, without a traceback. Input errors are: `ConfigError`, the
@@ -164,6 +165,13 @@ def cmd_plots(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dora_tasks.core.config import load_config
+    from pipelines.simulator.command import run
+
+    return run(args, load_config)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     sys.stdout.write(config_yaml(load(args)))
     return 0
@@ -227,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load FILE, apply the overrides, validate, and print every key as YAML.")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("simulate", help="simulate a mode on an emulated cluster in virtual time",
+                       description="Drive the real version gate and orchestrator with emulated engines (the "
+                       "emulation section's cost model and lengths) in virtual time, and print step time, tokens/s, "
+                       "bubbles, the non-overlapped rollout share and the staleness.")
+    from pipelines.simulator.command import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

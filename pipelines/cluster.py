@@ -30,6 +30,11 @@ from dora_tasks.core.config import ClusterConfig, Config
 from dora_tasks.plugins import WORKER_ENV
 
 log = logging.getLogger("dora")
+# What a task asks for, by where it must run (`client.submit(..., resources=CPU)`): one slot of that label.
+ROLLOUT, TRAINER, CPU = {"ROLLOUT": 1}, {"TRAINER": 1}, {"CPU": 1}
+MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
+WORKER_POLL_S = 0.2  # how often the scheduler is asked again while a worker is missing
+ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=1,TRAINER=1)", "cpu": "CPU (CPU=n)"}
 
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
@@ -82,7 +87,8 @@ def embedded_cluster(cfg: Config) -> SpecCluster:
 
     def nanny(nthreads: int, resources: dict[str, float]) -> dict:
         return {"cls": Nanny, "options": {"nthreads": nthreads, "resources": resources, "env": env,
-                                          "memory_limit": cfg.cluster.worker_memory, "silence_logs": 40, **listen}}
+                                          "memory_limit": cfg.cluster.worker_memory, "silence_logs": logging.ERROR,
+                                          **listen}}
 
     slots = cfg.rollout.slots
     workers = {f"rollout-{i}": nanny(slots, {"GPU": 1, "ROLLOUT": slots}) for i in range(cfg.rollout.instances)}
@@ -91,7 +97,7 @@ def embedded_cluster(cfg: Config) -> SpecCluster:
         workers[f"cpu-{i}"] = nanny(cfg.cluster.cpu_threads, {"CPU": cfg.cluster.cpu_threads})
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": cfg.cluster.dashboard_address, **listen}}
     with dask.config.set(EMBEDDED_DASK_CONFIG):  # read by the scheduler and Nannies now, passed on to the workers
-        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40, security=sec)
+        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=sec)
 
 
 def connect(cfg: Config) -> tuple[SpecCluster | None, Client]:
@@ -177,17 +183,22 @@ class PausedWorkers:
                     "rollout.slots)")
 
 
-def wait_for_workers(client: Client, timeout_s: float) -> Workers:
-    """Wait until at least one rollout instance, one trainer and one CPU worker are connected."""
+def worker_wait_s(cfg: ClusterConfig) -> float:
+    """How long the driver waits for a worker to (re)join before it gives up."""
+    return max(MIN_WORKER_WAIT_S, cfg.connect_timeout_s)
+
+
+def wait_for_workers(client: Client, timeout_s: float, roles: tuple[str, ...] = tuple(ROLE_LABELS),
+                     then: str = "start workers with `dask worker ADDRESS --resources ...` (see README)") -> Workers:
+    """Wait until at least one worker of each of `roles` (keys of `ROLE_LABELS`) is connected; `then` ends the
+    error's message: what the user does next."""
     deadline = time.time() + timeout_s
     while True:
         workers = labelled_workers(client)
-        if workers.rollout and workers.trainer and workers.cpu:
+        missing = [ROLE_LABELS[role] for role in roles if not getattr(workers, role)]
+        if not missing:
             return workers
         if time.time() > deadline:
-            missing = [name for name, ok in (("rollout (GPU=1,ROLLOUT=n)", workers.rollout),
-                                             ("trainer (GPU=1,TRAINER=1)", workers.trainer),
-                                             ("CPU (CPU=n)", workers.cpu)) if not ok]
             raise ClusterError(f"the cluster has no worker labelled {', '.join(missing)} after {timeout_s:.0f} s; "
-                               "start workers with `dask worker ADDRESS --resources ...` (see README)")
-        time.sleep(0.2)
+                               + then)
+        time.sleep(WORKER_POLL_S)

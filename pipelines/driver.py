@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import singledispatchmethod
 from typing import Callable
@@ -32,25 +32,28 @@ from typing import Callable
 from distributed import Client, Future, wait
 
 from dora_tasks import steps
+from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
-from pipelines.cluster import PausedWorkers, Workers, labelled_workers
+from pipelines.cluster import CPU, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
 from pipelines.events import (EvaluationTask, Evaluated, Event, GroupRolledOut, GroupsScored, Published, RolloutTask,
                               ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
-from pipelines.metrics import Timeline, UpdateTiming, update_metrics
+from pipelines.metrics import Timeline, UpdateTiming, reward_errors, update_metrics
 from pipelines.orchestrator import Orchestrator, Start
-from pipelines.trainer_recovery import TRAINER, TRAINER_LOSS, TrainerRecovery
+from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
 
 log = logging.getLogger("dora")
-ROLLOUT, CPU = {"ROLLOUT": 1}, {"CPU": 1}
 MAX_EVAL_ATTEMPTS = 2  # an evaluation that fails is tried once more, then skipped with a warning
 EVALUATION_PRIORITY = -10  # evaluations wait behind the pipeline's own CPU tasks
 LIVE_WINDOW_TURNS = 50  # the `live_versions` metric: most versions live at once over this many recent turns
 SEED_STRIDE = 1_000_003  # a prime: the seeds of two runs' groups do not collide
+ATTEMPT_SEEDS = 31  # seeds per group: its attempts take consecutive ones
+POLL_S = 1.0  # a blocking wait looks at the cluster again this often (a paused worker, a lost trainer)
+REWARD_WARNING_EVERY_S = 30.0  # the reward-failure warning would otherwise repeat at every update
 
 
 class RunError(RuntimeError):
@@ -106,7 +109,8 @@ class Driver(TrainerRecovery):
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     checkpoints: CheckpointStore | None = None
-    timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))
+    clock: Clock = field(default_factory=Clock)  # every recorded time: wall seconds, or emulated ones (`Clock`)
+    timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))  # restarted on the clock by warm_up
     tracked: dict[Future, Task] = field(default_factory=dict)  # every future the driver waits on
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> its futures, until complete
     attempts: dict[int, int] = field(default_factory=dict)
@@ -124,7 +128,7 @@ class Driver(TrainerRecovery):
     last_metrics: dict[str, float] = field(default_factory=dict)
     observers: list[Callable[[Event], None]] = field(default_factory=list)
     _synced: float = 0.0
-    _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(30.0))
+    _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
 
@@ -249,9 +253,9 @@ class Driver(TrainerRecovery):
             self.gate.on_dispatch(gid, v)
         attempt = self.attempts[gid] = self.attempts.get(gid, -1) + 1
         prompt = self.prompt_for(gid)
-        self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, time.time())
+        self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, self.clock.now())
         suffix = (attempt,) if attempt else ()
-        seed = self.cfg.dora.seed * SEED_STRIDE + gid * 31 + attempt
+        seed = self.cfg.dora.seed * SEED_STRIDE + gid * ATTEMPT_SEEDS + attempt
         rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v),
                                     self.cfg.rollout.group_size, seed, attempt, key=("rollout", v, gid) + suffix,
                                     workers=[start.instance], resources=ROLLOUT, pure=False)
@@ -265,7 +269,7 @@ class Driver(TrainerRecovery):
             group.rolled_out = True
             self.orchestrator.on_group_done(gid)
             self.unscored.append(gid)
-            self.emit(GroupRolledOut(gid, time.time()))
+            self.emit(GroupRolledOut(gid, self.clock.now()))
 
     def submit_scoring(self) -> None:
         """rollout* -> reward(groups) -> advantage(groups): one pair of tasks per instance for the groups it finished
@@ -288,7 +292,7 @@ class Driver(TrainerRecovery):
             for g in gids:
                 self.in_flight[g].futures += [rewarded, scored]
             self.track(scored, ScoringTask(n, tuple(gids)))
-            self.emit(ScoringSubmitted(tuple(gids), time.time()))
+            self.emit(ScoringSubmitted(tuple(gids), self.clock.now()))
 
     def on_scored(self, task: ScoringTask, groups: list[Group]) -> None:
         """A scoring batch is done: its groups are complete (the gate may put them in a batch)."""
@@ -298,7 +302,7 @@ class Driver(TrainerRecovery):
             del self.in_flight[group.group_id]  # its futures go: the workers may drop the group
             self.gate.on_complete(group.group_id)
             self.complete[group.group_id] = group
-        self.emit(GroupsScored(task.group_ids, time.time()))
+        self.emit(GroupsScored(task.group_ids, self.clock.now()))
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:
@@ -326,9 +330,9 @@ class Driver(TrainerRecovery):
                                      pure=False)
         updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u) + suffix,
                                      resources=TRAINER, pure=False)
-        self.updates.append(QueuedUpdate(decision, time.time(), checked, updated))
+        self.updates.append(QueuedUpdate(decision, self.clock.now(), checked, updated))
         self.track(updated, UpdateTask(u))
-        self.emit(UpdateSubmitted(u, tuple(decision.group_ids), time.time()))
+        self.emit(UpdateSubmitted(u, tuple(decision.group_ids), self.clock.now()))
 
     def on_published(self, task: UpdateTask, result: UpdateResult) -> None:
         """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator),
@@ -336,7 +340,7 @@ class Driver(TrainerRecovery):
         queued = self.updates.popleft()
         if queued.decision.update != task.update:
             raise RunError(f"update {task.update} finished before update {queued.decision.update}")
-        decision, published, now = queued.decision, result.published, time.time()
+        decision, published, now = queued.decision, result.published, self.clock.now()
         groups = [self.complete.pop(g) for g in decision.group_ids]
         self.gate.on_update_done(decision.update)
         self.orchestrator.on_publish(published.version)
@@ -351,28 +355,29 @@ class Driver(TrainerRecovery):
         self.last_metrics = metrics
         self.counters["restarts_in_a_row"] = 0
         self.emit(Published(decision.update, metrics))
-        self.check_rewards([t.reward_error for g in groups for t in g.trajectories if t.reward_error],
-                           sum(len(g.trajectories) for g in groups))
+        self.check_rewards(metrics, groups)
         if self.evaluation_due(published.version):
             self.submit_evaluation(published.version)
         if self.checkpoint_due(published.version):
             self.checkpoint(decision.update)
 
-    def check_rewards(self, errors: list[str], scored: int) -> None:
+    def check_rewards(self, metrics: dict[str, float], groups: list[Group]) -> None:
         """Warn when more than `task.reward_failure_warn_share` of a batch's rewards failed; stop the run once every
         reward of `task.reward_failure_stop_updates` updates in a row failed (a reward function that always raises
-        or returns no number would otherwise train on zeros in silence)."""
+        or returns no number would otherwise train on zeros in silence). Counts are the update's metrics."""
         t, c = self.cfg.task, self.counters
-        c["all_rewards_failed"] = c["all_rewards_failed"] + 1 if len(errors) == scored else 0
-        example = max(set(errors), key=errors.count) if errors else ""
+        failed, share = int(metrics["reward_failures"]), metrics["reward_failure_share"]
+        c["all_rewards_failed"] = c["all_rewards_failed"] + 1 if share == 1.0 else 0
+        example = Counter(reward_errors(groups)).most_common(1)[0][0] if failed else ""
         if t.reward_failure_stop_updates and c["all_rewards_failed"] >= t.reward_failure_stop_updates:
             raise RewardFailureError(
                 f"every reward of the last {c['all_rewards_failed']} updates failed (task.reward_fn="
                 f"{t.reward_fn or '(the task default)'}; most frequent error: {example}); fix the reward function "
                 f"and continue with `dora resume {self.cfg.storage.run_dir}`, or set "
                 "task.reward_failure_stop_updates=0 to train on failed rewards as 0")
-        if errors and len(errors) > t.reward_failure_warn_share * scored and self._reward_warnings.ready():
-            log.warning("%d of %d rewards of this update failed (most frequent: %s)", len(errors), scored, example)
+        if failed and share > t.reward_failure_warn_share and self._reward_warnings.ready():
+            log.warning("%d of %d rewards of this update failed (most frequent: %s)", failed,
+                        sum(len(g.trajectories) for g in groups), example)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint(self, update: int) -> None:
@@ -433,12 +438,11 @@ class Driver(TrainerRecovery):
             return
         exc = future.exception()
         self.counters["eval_failures"] += 1
-        again = task.attempt + 1 < MAX_EVAL_ATTEMPTS and task.version in self.weights.versions()
-        log.warning("evaluation of version %d failed (%s: %s); %s", task.version, type(exc).__name__, exc,
-                    "trying once more" if again else "skipped, training goes on")
-        if again:
+        if task.attempt + 1 < MAX_EVAL_ATTEMPTS and task.version in self.weights.versions():
+            log.warning("evaluation of version %d failed (%s: %s); trying once more", task.version,
+                        type(exc).__name__, exc)
             self.submit_evaluation(task.version, task.attempt + 1)
-        else:
+        else:  # reported by the run's observer (`pipelines.run.live_observer`)
             self.retain_weights()
             self.emit(Evaluated(task.version, None, f"{type(exc).__name__}: {exc}"))
 
@@ -459,13 +463,13 @@ class Driver(TrainerRecovery):
         for f in futures + [trainer]:
             while True:
                 try:
-                    f.result(timeout=1.0)
+                    f.result(timeout=POLL_S)
                     break
                 except TimeoutError:
                     self.check_workers()  # a paused engine never starts
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
         while self.evaluations():
             wait(self.evaluations())
-            for future in self.wait_any(1.0):
+            for future in self.wait_any(POLL_S):
                 self.on_done(future)
-        self.timeline = Timeline(time.time())
+        self.timeline = Timeline(self.clock.now())

@@ -87,6 +87,7 @@ class TrainerRestored:
     why: str
     version: int
     optimizer_from: str  # checkpoint folder of its optimizer state; "" = a fresh optimizer
+    checkpoint: str = ""  # the latest checkpoint's trainer folder when it was restored; "" = none yet
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int
     batch's rewards and staleness, step and weight-sync time, throughput, reward failures, the run's fault counters.
     `tl` already holds this update's timing; failed rewards count as 0."""
     rewards = np.concatenate([np.nan_to_num(g.rewards, nan=0.0) for g in groups])
-    failed = sum(1 for g in groups for t in g.trajectories if t.reward_error)
+    failed = len(reward_errors(groups))
     staleness = np.array([update - g.version for g in groups])
     now = tl.updates[-1].published
     prev = tl.updates[-2].published if len(tl.updates) > 1 else tl.t0
@@ -71,6 +71,11 @@ def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int
     })
     metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
     return metrics
+
+
+def reward_errors(groups) -> list[str]:
+    """The error of each failed reward of `groups` (a failed reward counts as 0)."""
+    return [t.reward_error for g in groups for t in g.trajectories if t.reward_error]
 
 
 def throughput(tl: Timeline) -> float:

@@ -14,31 +14,32 @@ them). The orchestrator decides, from events (instances joining and leaving, ver
 * **RBS groups in flight**: new groups are created only while fewer than RBS are in flight, within the capacity the
   version gate grants, and within the run's budget of groups.
 
-`decide` returns its decisions: `Start` (a group on an instance) and `Load` (an instance assigned a version; the
-rollout server loads it when the first group of that version reaches it). The driver acts on the first and reports
-both to its observers.
+`decide` returns its decisions: `Start` (a group on an instance), `Load` (an instance assigned a version, from a peer
+that holds it when there is one; the rollout server loads it when the first group of that version reaches it) and
+`Migrate` (a group's unfinished requests handed to another instance of their version). The driver acts on `Start`
+and reports all to its observers.
 
-Free slots are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
+Free rows are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
 where engines share cores, spreading them over the least busy instances makes two engines contend for the cores
 with half-full batches. With an engine per device, spreading is the better choice (pick the least busy instance in
 `decide`).
 
-Queued switching (``rollout.queue_while_draining``, off by default): an instance draining an older version, with no
-restarted work of that version waiting, is retargeted to the newest version at once, so new groups queue on it and
-start the moment its older groups end, without a round trip to the driver (the rollout server still swaps weights
-only once the older groups have ended: C1 holds). An instance then holds groups of at most two versions. It removes
-the idle gap of each version switch, but groups end more spread out, so more scoring tasks run: off by default
-because that orchestration competes with generation where they share cores, the better setting where engines have
-their own devices (figures: docs/benchmark.md).
+Units: a group is dispatched whole (its G requests start together on one instance), but an instance's capacity is
+counted in requests (rows: `slots * group_size`), and engines that report requests ending (`on_request_done`) and
+their KV use (`on_progress`) free rows and budget request by request. How instances leave an older version is a
+switching strategy (`pipelines.switching`: drain, queue or migrate); a migration moves all of a group's unfinished
+requests from one instance to another of the same version.
 
-Simplified from the paper: requests are not migrated between instances of the same version (a group is one Dask
-task; moving it would restart it). Without queued switching an instance draining an old version therefore idles its
-free slots until its last group finishes, which shows up in the rollout bubble.
+Simplified from the paper: the Dask driver reports group ends only, so there a group holds its G rows until its last
+request ends, and migration (`Migrate`) is executed by the simulator (`pipelines.simulator`); the driver runs drain
+or queue.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from pipelines.switching import Drain, Switching
 
 
 class OrchestratorInvariantError(AssertionError):
@@ -48,21 +49,20 @@ class OrchestratorInvariantError(AssertionError):
 @dataclass
 class Instance:
     address: str
-    slots: int
+    slots: int  # groups it runs at once when every request of a group runs to the end
     version: int | None = None  # version currently loaded; None before the first load
-    running: set[int] = field(default_factory=set)
-
-    @property
-    def free(self) -> int:
-        return self.slots - len(self.running)
+    running: set[int] = field(default_factory=set)  # groups with unfinished requests here
+    kv_budget: int = 0  # KV-cache tokens it holds (0: not reported, never a limit)
+    batch_rows: int = 0  # requests its engine decodes at once, the rest queue in it (0: all its rows)
 
 
 @dataclass(frozen=True)
 class Load:
-    """Load `version` on `instance` (it is idle)."""
+    """Load `version` on `instance` (it is idle), from the peer instance `source` that holds it ("": the store)."""
 
     instance: str
     version: int
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,20 +75,35 @@ class Start:
     new: bool
 
 
+@dataclass(frozen=True)
+class Migrate:
+    """Hand the unfinished requests `samples` of group `group_id` (of `version`) from `source` to `target`, an
+    instance serving the same version."""
+
+    group_id: int
+    samples: tuple[int, ...]
+    version: int
+    source: str
+    target: str
+
+
 @dataclass
 class Orchestrator:
     rollout_batch_size: int
     group_budget: int  # total groups the run will dispatch (num_updates * TBS)
-    queue_while_draining: bool = False  # retarget a draining instance to the newest version at once (see above)
+    switching: Switching = field(default_factory=Drain)
+    group_size: int = 1  # requests of a group
     newest: int = 0
     next_group_id: int = 0
     instances: dict[str, Instance] = field(default_factory=dict)
     running: dict[int, tuple[int, str]] = field(default_factory=dict)  # group_id -> (version, instance)
+    unfinished: dict[int, set[int]] = field(default_factory=dict)  # group_id -> its requests still running
+    tokens: dict[int, int] = field(default_factory=dict)  # group_id -> KV tokens its unfinished requests hold
     queued: dict[int, deque] = field(default_factory=dict)  # version -> group ids waiting to (re)start on it
 
     # ---- events --------------------------------------------------------------------------------------------------
-    def add_instance(self, address: str, slots: int) -> None:
-        self.instances.setdefault(address, Instance(address, slots))
+    def add_instance(self, address: str, slots: int, kv_budget: int = 0, batch_rows: int = 0) -> None:
+        self.instances.setdefault(address, Instance(address, slots, kv_budget=kv_budget, batch_rows=batch_rows))
 
     def remove_instance(self, address: str) -> list[int]:
         """Forget an instance that died; its groups are queued to restart on their own version."""
@@ -97,7 +112,7 @@ class Orchestrator:
             return []
         lost = sorted(inst.running)
         for g in lost:
-            version, _ = self.running.pop(g)
+            version, _ = self._forget(g)
             self.queued.setdefault(version, deque()).append(g)
         return lost
 
@@ -105,16 +120,53 @@ class Orchestrator:
         self.newest = max(self.newest, version)
 
     def on_group_done(self, group_id: int) -> None:
-        version, address = self.running.pop(group_id)
+        _, address = self._forget(group_id)
         inst = self.instances.get(address)
         if inst is not None:
             inst.running.discard(group_id)
+
+    def on_request_done(self, group_id: int, sample: int) -> None:
+        """One request of a running group ended: its row is free (the group stays until `on_group_done`)."""
+        self.unfinished[group_id].discard(sample)
+
+    def on_progress(self, group_id: int, tokens: int) -> None:
+        """The KV tokens a running group's unfinished requests hold now."""
+        self.tokens[group_id] = tokens
 
     def requeue(self, group_id: int, version: int) -> None:
         """Queue a known group to (re)start on `version` (used after a resume for groups whose rollout was lost)."""
         self.queued.setdefault(version, deque()).append(group_id)
 
-    # ---- decisions -----------------------------------------------------------------------------------------------
+    def _forget(self, group_id: int) -> tuple[int, str]:
+        self.unfinished.pop(group_id, None)
+        self.tokens.pop(group_id, None)
+        return self.running.pop(group_id)
+
+    # ---- what instances hold ---------------------------------------------------------------------------------------
+    def ordered_instances(self) -> list[Instance]:
+        return sorted(self.instances.values(), key=lambda i: i.address)
+
+    def rows_of(self, group_id: int) -> int:
+        return len(self.unfinished[group_id])
+
+    def used_rows(self, inst: Instance) -> int:
+        return sum(len(self.unfinished[g]) for g in inst.running)
+
+    def free_rows(self, inst: Instance) -> int:
+        return inst.slots * self.group_size - self.used_rows(inst)
+
+    def free_batch_rows(self, inst: Instance) -> int:
+        """Rows a migrated request could decode in at once (not queue behind others)."""
+        return min(self.free_rows(inst), (inst.batch_rows or inst.slots * self.group_size) - self.used_rows(inst))
+
+    def free_kv(self, inst: Instance) -> float:
+        if not inst.kv_budget:
+            return float("inf")
+        return inst.kv_budget - sum(self.tokens.get(g, 0) for g in inst.running)
+
+    def versions_on(self, inst: Instance) -> set[int]:
+        return {self.running[g][0] for g in inst.running}
+
     @property
     def in_flight(self) -> int:
         return len(self.running) + sum(len(q) for q in self.queued.values())
@@ -123,19 +175,28 @@ class Orchestrator:
         return sorted({v for v, _ in self.running.values()} | {i.version for i in self.instances.values()
                                                                  if i.version is not None and i.running})
 
-    def decide(self, capacity: int) -> list[Load | Start]:
+    def remaining_rows(self, capacity: int) -> dict[int, int]:
+        """R_v: requests of each version still to run (running, queued to restart and, for the newest version, the
+        new groups it could start now)."""
+        work: dict[int, int] = {self.newest: 0}
+        for g, (v, _) in self.running.items():
+            work[v] = work.get(v, 0) + len(self.unfinished[g])
+        for v, q in self.queued.items():
+            if q:
+                work[v] = work.get(v, 0) + len(q) * self.group_size
+        work[self.newest] += self._creatable(capacity) * self.group_size
+        return work
+
+    # ---- decisions -----------------------------------------------------------------------------------------------
+    def decide(self, capacity: int) -> list[Load | Start | Migrate]:
         """Actions for now. `capacity` is how many new groups the version gate allows to be dispatched."""
-        actions: list[Load | Start] = []
-        for inst in sorted(self.instances.values(), key=lambda i: i.address):
-            if self._may_queue_behind(inst, capacity):
-                inst.version = self.newest
-                actions.append(Load(inst.address, self.newest))
+        actions: list[Load | Start | Migrate] = list(self.switching.plan(self, capacity))
+        for inst in self.ordered_instances():
             if not inst.running:
-                target = self._target_version(inst, capacity)
+                target = self.target_version(inst, capacity)
                 if target != inst.version:
-                    inst.version = target
-                    actions.append(Load(inst.address, target))
-            while inst.free > 0:
+                    actions.append(self.assign(inst, target))
+            while self.free_rows(inst) >= self.group_size:
                 start = self._next_start(inst, capacity)
                 if start is None:
                     break
@@ -143,14 +204,21 @@ class Orchestrator:
                 actions.append(start)
         return actions
 
-    def _may_queue_behind(self, inst: Instance, capacity: int) -> bool:
-        """Queued switching: `inst` holds groups of one older version only (and no restart waits for its version),
-        and would move to the newest next anyway."""
-        if not (self.queue_while_draining and inst.running and inst.version != self.newest):
-            return False
-        if self.queued.get(inst.version) or len({self.running[g][0] for g in inst.running}) > 1:
-            return False  # restarts of its version wait for it, or it already holds two versions
-        return self._target_version(inst, capacity) == self.newest
+    def assign(self, inst: Instance, version: int) -> Load:
+        """`inst` serves `version` from now on, loaded from a peer that holds it when there is one."""
+        peers = [i.address for i in self.ordered_instances() if i is not inst and i.version == version]
+        inst.version = version
+        return Load(inst.address, version, peers[0] if peers else "")
+
+    def migrate(self, group_id: int, source: Instance, target: Instance) -> Migrate:
+        version, _ = self.running[group_id]
+        if target.version != version:
+            raise OrchestratorInvariantError(f"group {group_id} of version {version} sent to {target.address} "
+                                             f"serving version {target.version}")
+        source.running.discard(group_id)
+        target.running.add(group_id)
+        self.running[group_id] = (version, target.address)
+        return Migrate(group_id, tuple(sorted(self.unfinished[group_id])), version, source.address, target.address)
 
     def _next_start(self, inst: Instance, capacity: int) -> Start | None:
         queue = self.queued.get(inst.version)
@@ -164,6 +232,7 @@ class Orchestrator:
             return None
         inst.running.add(group_id)
         self.running[group_id] = (inst.version, inst.address)
+        self.unfinished[group_id] = set(range(self.group_size))
         return Start(inst.address, group_id, inst.version, new)
 
     def _creatable(self, capacity: int) -> int:
@@ -172,15 +241,9 @@ class Orchestrator:
     def _may_create(self, capacity: int) -> bool:
         return self._creatable(capacity) > 0
 
-    def _target_version(self, inst: Instance, capacity: int) -> int:
-        """Proportional share: the live version whose work most exceeds the instances serving it."""
-        work: dict[int, int] = {self.newest: 0}
-        for v, _ in self.running.values():
-            work[v] = work.get(v, 0) + 1
-        for v, q in self.queued.items():
-            if q:
-                work[v] = work.get(v, 0) + len(q)
-        work[self.newest] += self._creatable(capacity)  # new prompts it could start now
+    def target_version(self, inst: Instance, capacity: int) -> int:
+        """Proportional share: the live version whose remaining requests most exceed the instances serving it."""
+        work = self.remaining_rows(capacity)
         total = sum(work.values()) or 1
         serving = {v: 0 for v in work}
         for other in self.instances.values():
@@ -199,20 +262,20 @@ class Orchestrator:
                 raise OrchestratorInvariantError(msg)
 
         for inst in self.instances.values():
-            check(0 <= inst.free <= inst.slots, f"{inst.address} runs more groups than it has slots")
-            versions = set()
+            check(0 <= self.free_rows(inst), f"{inst.address} runs more requests than it has rows")
             for g in inst.running:
                 version, address = self.running.get(g, (None, None))
                 check(address == inst.address and version is not None and version <= inst.version,
                       f"group {g} on {inst.address} does not run on the instance's version {inst.version} or older")
-                versions.add(version)
-            older = versions - {inst.version}
-            check(not older or (self.queue_while_draining and len(older) == 1),
+            versions = self.versions_on(inst)
+            check(len(versions - {inst.version}) < self.switching.versions_per_instance,
                   f"{inst.address} holds groups of versions {sorted(versions)} (version {inst.version})")
-        owned = {g for i in self.instances.values() for g in i.running}
-        check(owned == set(self.running), "running groups and instance slots disagree")
+        owned = [g for i in self.instances.values() for g in i.running]
+        check(len(owned) == len(set(owned)), "a group runs on two instances")
+        check(set(owned) == set(self.running) == set(self.unfinished), "running groups and instance rows disagree")
+        check(all(s <= set(range(self.group_size)) for s in self.unfinished.values()), "a request outside its group")
         queued = [g for q in self.queued.values() for g in q]
-        check(len(queued) == len(set(queued)) and not (set(queued) & owned), "a group is queued twice or also running")
+        check(len(queued) == len(set(queued)) and not (set(queued) & set(owned)), "a group is queued twice or also running")
         check(self.next_group_id <= self.group_budget, "more groups created than the budget")
         check(all(v <= self.newest for v, _ in self.running.values()), "a group runs on an unpublished version")
 

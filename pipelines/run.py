@@ -14,27 +14,29 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import yaml
 from distributed import Client
 
 from dora_tasks import steps
+from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config, apply_overrides, config_from_dict
 from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.workloads.datasets import load_prompts
 from dora_tasks.workloads.rewards import check_reward_fn
-from dora_tasks.plugins import RolloutPlugin, TrainerPlugin
-from pipelines.cluster import connect, wait_for_workers
-from pipelines.driver import Driver
+from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans
+from pipelines.cluster import TRAINER, connect, wait_for_workers, worker_wait_s
+from pipelines.driver import POLL_S, Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
 from pipelines.gate import VersionGate
 from pipelines.live import LiveView
 from pipelines.metrics import summary as timing_summary
 from pipelines.orchestrator import Orchestrator
+from pipelines.switching import switching_named
 from pipelines.tracking import Tracker
-from pipelines.trainer_recovery import MIN_WORKER_WAIT_S, TRAINER
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
@@ -95,7 +97,7 @@ class Run:
     def finish(self) -> RunSummary:
         d, cfg = self.driver, self.cfg
         while d.evaluations():  # the final evaluation
-            for future in d.wait_any(1.0):
+            for future in d.wait_any(POLL_S):
                 d.on_done(future)
         busy = d.client.run(busy_spans)
         metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None})
@@ -125,13 +127,6 @@ class Run:
                           self.driver.accuracy)
 
 
-def busy_spans(dask_worker):
-    """(start, end) spans in which a rollout instance decoded (`client.run` on every worker; None elsewhere)."""
-    plugin = dask_worker.plugins.get("dora-rollout")
-    server = getattr(plugin, "server", None)
-    return None if server is None else list(server.busy.spans)
-
-
 # ---- observers ---------------------------------------------------------------------------------------------------
 def tracking_observer(tracker: Tracker):
     """Per-update metrics at step = update, held-out accuracy at step = policy version (0 is the initial policy)."""
@@ -146,6 +141,15 @@ def tracking_observer(tracker: Tracker):
 
 
 def live_observer(live: LiveView):
+    """The status line at every turn; what the operator must see (a restored trainer, a skipped evaluation) once: as
+    a line of its own above the status line, or as a log warning when the live view is off."""
+
+    def tell(message: str) -> None:
+        if live.enabled:
+            live.event(message)
+        else:
+            log.warning(message)
+
     def observe(event) -> None:
         if isinstance(event, Turn):
             m = event.metrics
@@ -153,13 +157,31 @@ def live_observer(live: LiveView):
                         m.get("reward_mean", float("nan")), m.get("tokens_per_s", 0.0), int(m.get("staleness_max", 0)),
                         m.get("reward_failure_share", 0.0))
         elif isinstance(event, TrainerRestored):
-            optimizer = f"the optimizer state of {event.optimizer_from}" if event.optimizer_from else \
-                "a FRESH optimizer state"
-            live.event(f"trainer lost ({event.why}); restored at version {event.version} with {optimizer}")
+            tell(restored_message(event))
         elif isinstance(event, Evaluated) and event.accuracy is None:
-            live.event(f"evaluation of version {event.version} failed ({event.error}); training goes on")
+            tell(f"evaluation of version {event.version} failed ({event.error}); skipped, training goes on")
 
     return observe
+
+
+def live_view(cfg: Config, clock: Clock) -> LiveView:
+    """The status line on the run's clock (its elapsed time and rates in emulated seconds under emulated engines,
+    said once above it), redrawn as often in wall time either way."""
+    live = LiveView(cfg.tracking.live_view, clock=clock.now)
+    live.min_interval_s = clock.span(live.min_interval_s)
+    if clock.emulated:
+        live.event(f"EMULATED engines: every time and rate shown is in {clock.unit}")
+    return live
+
+
+def restored_message(event: TrainerRestored) -> str:
+    if event.optimizer_from:
+        optimizer = f"the optimizer state of {event.optimizer_from}"
+    elif event.checkpoint:
+        optimizer = f"a FRESH optimizer state (the engine cannot take the optimizer state of {event.checkpoint} alone)"
+    else:
+        optimizer = "a FRESH optimizer state (no checkpoint yet)"
+    return f"trainer restored at version {event.version} with {optimizer}"
 
 
 # ---- the initial policy and the workers' plugins -----------------------------------------------------------------
@@ -168,9 +190,16 @@ def cache_root() -> str:
 
 
 def initial_policy(cfg: Config) -> str:
-    """The model path given, or a warm-started policy (cached by its settings)."""
+    """The model path given, or a warm-started policy (cached by its settings); for the emulated task, an emulated
+    model folder (no weights, nothing to warm-start)."""
     if cfg.model.path:
         return cfg.model.path
+    if cfg.emulated:
+        from dora_tasks.emulation.task import write_model_folder
+
+        folder = os.path.join(cfg.storage.run_dir, "emulated-model")
+        write_model_folder(folder, cfg.emulation.model, 0)
+        return folder
     from dora_tasks.warmstart import warm_start, warmstart_settings
 
     digest = hashlib.sha1(json.dumps(warmstart_settings(cfg), sort_keys=True).encode()).hexdigest()[:12]
@@ -183,9 +212,16 @@ def publish_initial(weights: WeightStore, model_path: str) -> None:
         weights.publish(0, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True))
 
 
-def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str) -> None:
-    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root))
-    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature))
+def engine_options(cfg: Config) -> dict:
+    """What the configured engines need besides their own config section: the emulated ones, the cost model's
+    settings and the seed of the workload's lengths."""
+    return {"emulation": cfg.emulation, "seed": cfg.dora.seed} if cfg.emulated else {}
+
+
+def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str, clock: Clock) -> None:
+    options = engine_options(cfg)
+    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock))
+    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock))
 
 
 # ---- opening a run -----------------------------------------------------------------------------------------------
@@ -205,7 +241,8 @@ def _store_meta(cfg: Config) -> dict:
     d = cfg.dora
     return {"group_size": cfg.rollout.group_size, "max_staleness": d.max_staleness, "train_batch_size":
             d.train_batch_size, "num_updates": d.num_updates, "partial_rollout": cfg.rollout.partial_rollout,
-            "config": json.dumps(cfg.to_dict())}
+            "config": json.dumps(cfg.to_dict()), "clock": cfg.clock(0.0).unit,
+            "synthetic": "tokens, behaviour log-probs and rewards (emulated engines)" if cfg.emulated else ""}
 
 
 def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:
@@ -216,7 +253,7 @@ def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orc
     d = cfg.dora
     gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size,
-                        queue_while_draining=cfg.rollout.queue_while_draining)
+                        switching=switching_named(cfg.rollout.switching), group_size=cfg.rollout.group_size)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg), overwrite=overwrite)
 
 
@@ -227,7 +264,7 @@ def _resumed_state(cfg: Config, ckpt):
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,
                         next_group_id=state["orchestrator"]["next_group_id"],
-                        queue_while_draining=cfg.rollout.queue_while_draining)
+                        switching=switching_named(cfg.rollout.switching), group_size=cfg.rollout.group_size)
     for gid, version in sorted(gate.unconsumed.items()):
         orch.requeue(gid, version)
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")
@@ -253,7 +290,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
     checkpoints = CheckpointStore(os.path.join(cfg.storage.run_dir, "checkpoints"))
     check_reward_fn(cfg.task.reward_fn)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
-    train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
+    train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed, cfg.emulation)
     check_engines(cfg, cfg.model.path or None, train_prompts)  # before any cluster starts
     ckpt = _checkpoint_to_resume(checkpoints) if resume_dir else None
     if not resume_dir and os.path.exists(cfg.storage.resolved("trajectory_store")):
@@ -265,7 +302,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         if cluster is not None:
             stack.callback(cluster.close)
         stack.callback(client.close)
-        wait_for_workers(client, max(MIN_WORKER_WAIT_S, cfg.cluster.connect_timeout_s))
+        wait_for_workers(client, worker_wait_s(cfg.cluster))
         model_path = initial_policy(cfg)
         check_engines(cfg, model_path, train_prompts)  # again, with the real initial policy
         weights = WeightStore(cfg.storage.resolved("weight_store"))
@@ -275,12 +312,14 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
             gate, orch, store = _fresh_state(cfg, overwrite=bool(resume_dir))
         stack.callback(store.close)
         publish_initial(weights, model_path)
-        register_plugins(client, cfg, weights.root, model_path)
+        clock = cfg.clock(origin=time.time())
+        register_plugins(client, cfg, weights.root, model_path, clock)
         print(f"dora: Dask dashboard {client.dashboard_link}", flush=True)
         tracker = stack.enter_context(Tracker(cfg, resume=bool(resume_dir)))
-        live = LiveView(cfg.tracking.live_view)
+        live = live_view(cfg, clock)
         stack.callback(live.close)
-        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints)
+        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints,
+                        clock=clock)
         run = Run(cfg, driver, tracker, live, checkpoints)
         if ckpt is not None:
             _restore(run, ckpt)

@@ -5,8 +5,8 @@
   file store needs MLFLOW_ALLOW_FILE_STORE in MLflow 3);
 - experiment `cfg.tracking.experiment`, created with an explicit artifact location `<run_dir>/mlartifacts` when the
   store is local (otherwise MLflow would write `./mlruns` wherever the process happens to run);
-- params: `cfg.flat()`; tags: K, algorithm, engines, code version (`git rev-parse --short HEAD`, else the package
-  version);
+- params: `cfg.flat()`; tags: K, algorithm, engines, the clock (wall or emulated seconds), code version
+  (`git rev-parse --short HEAD`, else the package version);
 - `log_update(update, metrics)` logs with `step=update`, dropping non-finite and non-numeric values.
 
 Simplifications, and why:
@@ -42,6 +42,8 @@ from dora_tasks.core.config import Config
 
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the run folder: the MLflow run of its latest start or resume
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+GIT_TIMEOUT_S = 5.0
 MAX_PARAM_CHARS = 6000
 
 
@@ -75,7 +77,7 @@ def code_version() -> str:
     if (repo / ".git").exists():
         try:
             out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                 timeout=5)
+                                 timeout=GIT_TIMEOUT_S)
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -96,6 +98,8 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "dora.train_engine": cfg.train.engine if cfg.train.engine != "deepspeed"
         else f"deepspeed-zero{cfg.train.zero_stage}",
         "dora.code_version": code_version(),
+        "dora.clock": cfg.clock(0.0).unit,  # every time and rate of the run: wall or EMULATED seconds
+        "dora.emulated": str(cfg.emulated).lower(),
         "dora.run_dir": str(Path(cfg.storage.run_dir).resolve()),
     }
 
@@ -223,13 +227,14 @@ class Tracker:
             self.flush_metrics()
 
     def flush_metrics(self) -> None:
-        """Hand the buffered metrics to the writer, in batches within MLflow's 1000-metric limit."""
+        """Hand the buffered metrics to the writer, in batches within MLflow's limit."""
         batch, self._buffered, self._flushed = self._buffered, [], time.time()
         if self._writer is None or not batch:
             return
         steps = f"updates {batch[0].step}..{batch[-1].step}"
-        for i in range(0, len(batch), 1000):
-            self._writer.submit(f"metrics of {steps}", self._client.log_batch, self.run_id, metrics=batch[i:i + 1000])
+        for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self._writer.submit(f"metrics of {steps}", self._client.log_batch, self.run_id,
+                                metrics=batch[i:i + MAX_METRICS_PER_BATCH])
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self._writer is not None:

@@ -7,22 +7,19 @@ fails with `TrainerLost` (a restarted trainer worker holds no engine and builds 
 from __future__ import annotations
 
 import logging
-import time
 
 from distributed.scheduler import KilledWorker
 
 from dora_tasks import steps
 from dora_tasks.core.records import TrainerRestore
 from dora_tasks.plugins import TrainerLost
-from pipelines.cluster import ClusterError, labelled_workers
+from pipelines.cluster import TRAINER, wait_for_workers, worker_wait_s
 from pipelines.events import TrainerRestored
 
 log = logging.getLogger("dora")
-TRAINER = {"TRAINER": 1}
 TRAINER_LOSS = (TrainerLost, KilledWorker)  # what a trainer task raises when the trainer's process died under it
 MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them before the run stops
 RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
-MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
 
 
 class TrainerError(RuntimeError):
@@ -62,12 +59,7 @@ class TrainerRecovery:
         self.trainer = restored.worker
         for q in queued:
             self.submit_update(q.decision)
-        log.warning("trainer restored at version %d with %s", restored.version,
-                    f"the optimizer state of {restored.optimizer_from}" if restored.optimizer_from else
-                    "a FRESH optimizer state (" + ("no checkpoint yet" if folder is None else
-                                                   f"the engine cannot take the optimizer state of {folder} alone")
-                    + ")")
-        self.emit(TrainerRestored(why, restored.version, restored.optimizer_from))
+        self.emit(TrainerRestored(why, restored.version, restored.optimizer_from, folder or ""))
         return restored
 
     def count_trainer_restart(self, why: str) -> None:
@@ -79,14 +71,7 @@ class TrainerRecovery:
                                f"in between (last: {why}); continue the run with `dora resume "
                                f"{self.cfg.storage.run_dir}` once the trainer worker is healthy")
 
-    def wait_for_trainer(self) -> str:
-        """The address of a connected trainer worker (its Nanny restarts it within seconds)."""
-        timeout_s = max(MIN_WORKER_WAIT_S, self.cfg.cluster.connect_timeout_s)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            trainers = labelled_workers(self.client).trainer
-            if trainers:
-                return trainers[0]
-            time.sleep(0.2)
-        raise ClusterError(f"the trainer was lost and no worker labelled GPU=1,TRAINER=1 joined within "
-                           f"{timeout_s:.0f} s; start one and continue with `dora resume {self.cfg.storage.run_dir}`")
+    def wait_for_trainer(self) -> None:
+        """Wait for a connected trainer worker (its Nanny restarts it within seconds)."""
+        wait_for_workers(self.client, worker_wait_s(self.cfg.cluster), ("trainer",),
+                         f"the trainer was lost: start one and continue with `dora resume {self.cfg.storage.run_dir}`")

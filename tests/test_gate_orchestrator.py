@@ -9,14 +9,15 @@ from hypothesis import strategies as st
 
 from pipelines.gate import GateInvariantError, VersionGate
 from pipelines.orchestrator import Load, Orchestrator, Start
+from pipelines.switching import Queue, switching_named
 
 
 def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
-          lookahead: int = 0, order: str = "completion", queue_while_draining: bool = False):
+          lookahead: int = 0, order: str = "completion", queued: bool = False):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
     gate = VersionGate(K, tbs, lookahead=lookahead, order=order)
-    orch = Orchestrator(rbs, updates * tbs, queue_while_draining=queue_while_draining)
+    orch = Orchestrator(rbs, updates * tbs, switching=switching_named("queue" if queued else "drain"))
     for i in range(instances):
         orch.add_instance(f"w{i}", slots)
     started_version: dict[int, int] = {}
@@ -171,9 +172,9 @@ def test_orchestrator_drains_an_old_version_before_switching():
 
 
 def test_queued_switching_starts_new_groups_behind_the_draining_ones():
-    """With `queue_while_draining` the draining instance takes new prompts of the newest version at once (its engine
+    """With queued switching the draining instance takes new prompts of the newest version at once (its engine
     starts them when the older group ends); the older group keeps its version; no third version joins."""
-    orch = Orchestrator(rollout_batch_size=4, group_budget=100, queue_while_draining=True)
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Queue())
     orch.add_instance("a", 2)
     orch.decide(capacity=2)
     orch.on_publish(1)

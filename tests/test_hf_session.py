@@ -91,10 +91,10 @@ def test_top_p_keeps_what_transformers_keeps():
         assert torch.equal(torch.isinf(_top_p(scores.clone(), top_p)), torch.isinf(expected))
 
 
-@pytest.mark.parametrize("chunk", [3, 16])
+@pytest.mark.parametrize("chunk", [0, 3, 16])
 def test_rollout_server_answers_the_same_with_and_without_the_kept_cache(policy, chunk):
-    """Greedy decoding through the continuously batched server: requests that join while others run get the same
-    tokens whether running rows keep their KV cache or are re-encoded at every chunk."""
+    """Greedy decoding through the server, in chunks or static batches (0): requests that join while others run get
+    the same tokens whether running rows keep their KV cache or are re-encoded at every chunk."""
     import threading
 
     from dora_tasks.rollout_server import RolloutServer

@@ -95,11 +95,11 @@ def groups_started_behind_an_older_version(summary) -> int:
 
 @pytest.mark.slow
 def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constraints(small_config, tmp_path):
-    """`rollout.queue_while_draining`: new groups reach an instance still finishing an older version (never with the
+    """`rollout.switching=queue`: new groups reach an instance still finishing an older version (never with the
     default switching), and the audit still finds every token of a trajectory from its own version (C1), every
     group trained once (C2) and staleness <= K (C3)."""
     common = [*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=4"]
-    queued = run_pipeline(small_config(*common, "rollout.queue_while_draining=true"))
+    queued = run_pipeline(small_config(*common, "rollout.switching=queue"))
     report = audit_store(queued.store, 3)
     assert report.ok, report.to_text()
     assert len(consumed_table(queued)["group_id"]) == 4 * 8 * 16

@@ -22,6 +22,9 @@ from typing import Any
 
 import yaml
 
+from dora_tasks.core.clock import Clock
+
+EMULATED_REWARD = "dora_tasks.emulation.task.synthetic_reward"  # task.reward_fn of task.name=emulated when unset
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it."""
@@ -119,12 +122,15 @@ class RolloutConfig:
     fast_decode: bool = True  # with the kept cache, decode steps written out in plain torch over the loaded version's
     #                           fused weights (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false:
     #                           transformers' forward
-    queue_while_draining: bool = False  # new groups of the newest version queue on an instance still finishing an
-    #                                     older version's groups (pipelines/orchestrator.py, "Queued switching")
+    switching: str = "drain"  # how an instance leaves an older version (pipelines/switching.py): "drain" = once its
+    #                           last group ends; "queue" = new groups of the newest version queue behind those groups
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
 
     def validate(self) -> None:
         _choice(self.engine, "rollout.engine", ("hf", "vllm", "emulated"))
+        _require(self.switching != "migrate", "rollout.switching",
+                 "'migrate' runs in the simulator only (dora simulate); the Dask driver runs 'drain' or 'queue'")
+        _choice(self.switching, "rollout.switching", ("drain", "queue"))
         _require(self.instances >= 1, "rollout.instances", f"must be >= 1, got {self.instances}")
         _require(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _require(self.slots >= 1, "rollout.slots", f"must be >= 1, got {self.slots}")
@@ -299,6 +305,9 @@ class EmulationConfig:
     response_cap: int = 30720
     prompt_p50: float = 180.0
     reward_rate: float = 0.5  # share of synthetic rewards that are 1 (synthetic: no model answers anything)
+    weight_source: str = "peer"  # where an instance loads a new version from: "peer" (an instance holding it, over
+    #                              the network, as DORA's weight transfer) or "store" (the weight store's bandwidth)
+    max_rows: int = 256  # sequences one instance decodes at once at most (vLLM's max_num_seqs)
 
     def validate(self) -> None:
         from_names = {"accelerator": ("H800", "H100", "H200"), "model": ("qwen2.5-32b", "qwen2.5-7b")}
@@ -312,6 +321,8 @@ class EmulationConfig:
         for key in ("speedup", "store_bandwidth", "response_p50", "prompt_p50", "train_flops_factor"):
             _require(getattr(self, key) > 0, f"emulation.{key}", f"must be > 0, got {getattr(self, key)}")
         _require(0 <= self.reward_rate <= 1, "emulation.reward_rate", f"must be in [0, 1], got {self.reward_rate}")
+        _choice(self.weight_source, "emulation.weight_source", ("peer", "store"))
+        _require(self.max_rows >= 1, "emulation.max_rows", f"must be >= 1, got {self.max_rows}")
 
 
 @dataclass
@@ -334,10 +345,21 @@ class Config:
         _require(len(set(emulated.values())) == 1, "emulation",
                  "rollout.engine, train.engine and task.name are all 'emulated' or none is; got "
                  + ", ".join(f"{k}={'emulated' if v else 'real'}" for k, v in emulated.items()))
+        if self.emulated and not self.task.reward_fn:
+            self.task.reward_fn = EMULATED_REWARD
         if self.rollout.partial_rollout:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
         return self
+
+    @property
+    def emulated(self) -> bool:
+        """Emulated engines and task (`validate` checks that the three settings agree)."""
+        return self.rollout.engine == "emulated"
+
+    def clock(self, origin: float) -> Clock:
+        """The run's clock: emulated seconds at `emulation.speedup` under emulated engines, else wall seconds."""
+        return Clock(self.emulation.speedup, origin) if self.emulated else Clock()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

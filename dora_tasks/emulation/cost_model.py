@@ -15,6 +15,7 @@ are split over them, so bandwidth and FLOP/s add up. The formulas (each a roofli
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -50,18 +51,48 @@ class CostModel:
         """One decode step of `rows` sequences whose caches hold `context` tokens in all."""
         if rows <= 0:
             return 0.0
+        return max(a + b * context for a, b in self._decode_lines(rows)) + self._all_reduce_s(rows)
+
+    def decode_steps_s(self, rows: int, context: int, steps: int) -> float:
+        """`steps` decode steps of a batch of `rows` sequences whose caches hold `context` tokens at the first and
+        grow by `rows` tokens a step: the sum of `decode_step_s`, in closed form (each roofline is linear in the
+        context, so the sum splits where the steeper one overtakes the other)."""
+        if rows <= 0 or steps <= 0:
+            return 0.0
+        (a1, b1), (a2, b2) = sorted(self._decode_lines(rows), key=lambda line: line[1])
+        if b2 == b1:
+            crossing = steps if a1 >= a2 else 0
+        else:  # steps before the context passes the crossing run on the flatter line
+            crossing = min(steps, max(0, math.ceil(((a1 - a2) / (b2 - b1) - context) / rows)))
+
+        def run(a: float, b: float, c0: float, n: int) -> float:
+            return n * a + b * (n * c0 + rows * n * (n - 1) / 2)
+
+        return (run(a1, b1, context, crossing) + run(a2, b2, context + crossing * rows, steps - crossing)
+                + steps * self._all_reduce_s(rows))
+
+    def _decode_lines(self, rows: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Memory and compute time of a decode step as (seconds, seconds per context token)."""
         a, m = self.accelerator, self.model
-        memory = (m.weight_bytes + context * m.kv_bytes_per_token) / (self.tp * a.hbm_bandwidth
-                                                                       * self.bandwidth_efficiency)
-        flops = 2 * m.params * rows + 4 * m.layers * m.attention_width * context
-        compute = flops / (self.tp * a.peak_flops * self.decode_mfu)
-        return max(memory, compute) + self._all_reduce_s(rows)
+        bandwidth = self.tp * a.hbm_bandwidth * self.bandwidth_efficiency
+        flop_rate = self.tp * a.peak_flops * self.decode_mfu
+        return ((m.weight_bytes / bandwidth, m.kv_bytes_per_token / bandwidth),
+                (2 * m.params * rows / flop_rate, 4 * m.layers * m.attention_width / flop_rate))
 
     def prefill_s(self, tokens: int) -> float:
         """Encoding `tokens` tokens of one sequence (a prompt, or a response re-encoded)."""
         m = self.model
         flops = 2 * m.params * tokens + 2 * m.layers * m.attention_width * tokens * tokens
         return flops / (self.tp * self.accelerator.peak_flops * self.prefill_mfu) + self._all_reduce_s(tokens)
+
+    def chunked_prefill_s(self, tokens: int, rows: int, context: int) -> float:
+        """What prefilling `tokens` adds to a decode step of `rows` rows over `context` cached tokens when the two
+        share the step (vLLM's chunked prefill): the prefill's FLOPs first fill the compute a memory-bound step
+        leaves idle."""
+        if rows <= 0:
+            return self.prefill_s(tokens)
+        memory, compute = (a + b * context for a, b in self._decode_lines(rows))
+        return max(memory, compute + self.prefill_s(tokens)) - max(memory, compute)
 
     def _all_reduce_s(self, rows: int) -> float:
         if self.tp == 1:

@@ -1,16 +1,23 @@
-"""Choose the training backend from `train.engine`. DeepSpeed is imported only when it is chosen."""
+"""Choose the training backend from `train.engine`. Each backend (torch, DeepSpeed, emulated) is imported only when
+it is chosen."""
 from __future__ import annotations
 
 from dora_tasks.core.contracts import TrainEngine
 
 
-def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature: float = 1.0) -> TrainEngine:
-    """`TorchTrainEngine` for train.engine="torch", `DeepSpeedTrainEngine` for "deepspeed" (validated first).
+def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature: float = 1.0,
+                      **engine_options) -> TrainEngine:
+    """`TorchTrainEngine` for train.engine="torch", `DeepSpeedTrainEngine` for "deepspeed", `EmulatedTrainEngine`
+    for "emulated" (a timing model for scale studies; it needs `engine_options["emulation"]`), validated first.
 
     `temperature` is the rollout's sampling temperature (`rollout.temperature`): the trainer's log-probs are taken at
     it, so that importance ratios compare the same distributions the behaviour log-probs came from.
     """
     train_cfg.validate()
+    if train_cfg.engine == "emulated":
+        from dora_tasks.emulation.trainer import EmulatedTrainEngine
+
+        return EmulatedTrainEngine(model_path, train_cfg, version=version, **engine_options)
     if train_cfg.engine == "deepspeed":
         from dora_tasks.engines.deepspeed_trainer import DeepSpeedTrainEngine
 

@@ -1,4 +1,4 @@
-"""Build the rollout engine a `RolloutConfig` names ("vllm" or "hf"), importing only that backend.
+"""Build the rollout engine a `RolloutConfig` names ("vllm", "hf" or "emulated"), importing only that backend.
 
 Both backends are imported lazily, by module name, inside `make_rollout_engine`: importing this module costs nothing
 (no torch, no vllm), so it is safe to import in the driver, in spawned processes and in Dask workers that never serve
@@ -19,10 +19,11 @@ class EngineConfigError(ValueError):
     """An engine cannot start with the given model or settings; the message names the setting and what would work."""
 
 
-# rollout.engine -> (module, class); every class takes (model_path, rollout_cfg, version=0).
+# rollout.engine -> (module, class); every class takes (model_path, rollout_cfg, version=0, **engine_options).
 ROLLOUT_ENGINES: dict[str, tuple[str, str]] = {
     "vllm": ("dora_tasks.engines.vllm_rollout", "VLLMRolloutEngine"),
     "hf": ("dora_tasks.engines.hf_rollout", "HFRolloutEngine"),
+    "emulated": ("dora_tasks.emulation.rollout", "EmulatedRolloutEngine"),  # a timing model, for scale studies only
 }
 
 
@@ -34,6 +35,9 @@ def rollout_engine_class(name: str) -> type[RolloutEngine]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def make_rollout_engine(model_path: str, rollout_cfg: RolloutConfig, version: int = 0) -> RolloutEngine:
-    """A rollout engine serving `model_path` as policy `version`, of the kind `rollout_cfg.engine` names."""
-    return rollout_engine_class(rollout_cfg.engine)(model_path, rollout_cfg, version)
+def make_rollout_engine(model_path: str, rollout_cfg: RolloutConfig, version: int = 0,
+                        **engine_options) -> RolloutEngine:
+    """A rollout engine serving `model_path` as policy `version`, of the kind `rollout_cfg.engine` names.
+    `engine_options`: what that kind needs besides (the emulated engine: `emulation` and `seed`; see
+    `pipelines.run.engine_options`)."""
+    return rollout_engine_class(rollout_cfg.engine)(model_path, rollout_cfg, version, **engine_options)

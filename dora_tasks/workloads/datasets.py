@@ -29,10 +29,15 @@ class DatasetError(ValueError):
     """A prompt dataset is missing, unreadable, or a row lacks a field the task needs; the message says which."""
 
 
-def load_prompts(task_cfg: TaskConfig, tokenizer, seed: int) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, eval) prompts for the configured task; eval prompts are held out (disjoint ids)."""
+def load_prompts(task_cfg: TaskConfig, tokenizer, seed: int, emulation=None) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval) prompts for the configured task; eval prompts are held out (disjoint ids). `emulation` (the
+    `EmulationConfig`) is needed by task.name=emulated only, whose prompts are synthetic (no tokenizer)."""
     if task_cfg.name == "countdown":
         return countdown_prompts(task_cfg, tokenizer, seed)
+    if task_cfg.name == "emulated":
+        from dora_tasks.emulation.task import emulated_prompts
+
+        return emulated_prompts(task_cfg.num_prompts, task_cfg.eval_prompts, emulation, seed)
     rows = read_rows(task_cfg.dataset)
     prompts = rows_to_prompts(rows, task_cfg, tokenizer, source=task_cfg.dataset)
     return split_eval(prompts, task_cfg.eval_prompts, seed)

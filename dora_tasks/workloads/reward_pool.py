@@ -35,6 +35,7 @@ import cloudpickle
 from dora_tasks.workloads.reward_worker import LOADED, read_frame, write_frame
 
 STARTUP_TIMEOUT_S = 60.0  # start of a process plus the import of a reward module, on a loaded machine
+REAP_TIMEOUT_S = 5.0  # a process that closed its pipe has this long to exit before it is killed
 TIMEOUT = "timeout"
 
 Call = tuple[str, str, str]
@@ -109,7 +110,7 @@ class Lane:
     def _died(self) -> str:
         """Why the process closed its pipe; it is reaped (killed if it lingers)."""
         try:
-            code = self.process.wait(timeout=5.0)
+            code = self.process.wait(timeout=REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.close()
             return "process died (closed its pipe, killed)"

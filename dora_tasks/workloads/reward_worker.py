@@ -26,6 +26,8 @@ import time
 
 _LENGTH = struct.Struct("<Q")
 LOADED = b"loaded"
+READ_BYTES = 1 << 20  # the most one read of a pipe asks for
+ORPHAN_POLL_S = 1.0  # how often a worker checks that its parent is alive
 
 
 def as_reward(value: object) -> tuple[float, str]:
@@ -57,7 +59,7 @@ def read_exactly(fd: int, n: int, deadline: float | None = None) -> bytes:
     while left:
         if deadline is not None and not _readable(fd, deadline):
             raise TimeoutError
-        chunk = os.read(fd, min(left, 1 << 20))
+        chunk = os.read(fd, min(left, READ_BYTES))
         if not chunk:
             raise EOFError
         chunks.append(chunk)
@@ -121,7 +123,7 @@ def _load(pickled_fn: bytes):
 def _exit_when_orphaned(parent: int) -> None:
     # a call that hangs would otherwise outlive a parent that died without closing the pipes in time
     while os.getppid() == parent:
-        time.sleep(1.0)
+        time.sleep(ORPHAN_POLL_S)
     os._exit(1)
 
 

@@ -1,0 +1,209 @@
+"""Validation of the simulator against the DORA paper's table (arXiv 2604.26256), then sweeps beyond it.
+
+Calibration on one cell only, sync at 64 GPUs (22.91 min, 14,143 tokens/s): tokens/s x step time fixes the tokens
+of a step, hence the length scale `response_p50`; the step time then fixes `bandwidth_efficiency`. Every other
+setting stays at its stated prior (dora_tasks/core/config.py EmulationConfig, pipelines/simulator/config.py), and
+every other cell is predicted. Writes benchmarks/results/paper_table.md (and paper_table.png).
+
+    python benchmarks/paper_table.py [--quick]     # --quick: fewer steps, sweep to 1,024 accelerators
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from dora_tasks.core.config import EmulationConfig
+from dora_tasks.emulation.cost_model import cost_model_from
+from dora_tasks.emulation.lengths import length_model_from
+from pipelines.simulator import SimConfig, simulate
+
+OUT = Path(__file__).resolve().parent / "results"
+PAPER = {  # (gpus, mode): (step minutes, tokens/s or None)
+    (64, "sync"): (22.91, 14_143), (64, "one-step"): (22.94, 14_141), (64, "partial"): (17.38, 19_872),
+    (64, "dora"): (14.67, 23_327), (128, "sync"): (20.23, 16_070), (128, "partial"): (13.95, None),
+    (128, "dora"): (10.46, 34_135),
+}
+PAPER_SHARE = {"sync": 0.65, "partial": 0.46, "one-step": 0.33, "dora": 0.12}  # 64 GPUs
+PAPER_RATIOS = {  # name: (numerator cell, denominator cell, paper value), on tokens/s or 1/step time
+    "DORA/sync 64 (tokens/s)": ((64, "dora"), (64, "sync"), 23_327 / 14_143),
+    "partial/sync 64 (tokens/s)": ((64, "partial"), (64, "sync"), 19_872 / 14_143),
+    "DORA/sync 128 (tokens/s)": ((128, "dora"), (128, "sync"), 34_135 / 16_070),
+    "partial/sync 128 (1/step)": ((128, "partial"), (128, "sync"), 20.23 / 13.95),
+    "sync 128/64 (tokens/s)": ((128, "sync"), (64, "sync"), 16_070 / 14_143),
+    "DORA 128/64 (tokens/s)": ((128, "dora"), (64, "dora"), 34_135 / 23_327),
+}
+TOKENS_PER_STEP = 14_143 * 22.91 * 60
+
+
+def emulation(**changes) -> EmulationConfig:
+    return dataclasses.replace(EmulationConfig(), **changes)
+
+
+def run(em: EmulationConfig, **settings):
+    base = dict(steps=ARGS.steps, warmup_steps=2)
+    return simulate(SimConfig(**{**base, **settings}), cost_model_from(em), length_model_from(em, 0))
+
+
+# ---- calibration ---------------------------------------------------------------------------------------------------
+def step_tokens(em: EmulationConfig, steps: int, warmup: int, prompts: int = 512, group: int = 16) -> float:
+    """Mean prompt + response tokens of the steady-state steps of a sync run (it trains the prompts in order)."""
+    lm = length_model_from(em, 0)
+    ids = range(warmup * prompts, steps * prompts)
+    return sum(lm.prompt_tokens(p) * group + sum(lm.response_tokens(p, s) for s in range(group)) for p in ids) / (
+        steps - warmup)
+
+
+def secant(f, x0: float, x1: float, target: float, tol: float = 1e-3) -> float:
+    """x with f(x) = target (f smooth and monotone near the root)."""
+    f0, f1 = f(x0), f(x1)
+    for _ in range(12):
+        if abs(f1 - target) <= tol * target:
+            break
+        x0, x1, f0 = x1, x1 + (target - f1) * (x1 - x0) / (f1 - f0), f1
+        f1 = f(x1)
+    return x1
+
+
+def calibrate() -> tuple[EmulationConfig, list[str]]:
+    log = []
+    p50 = secant(lambda x: step_tokens(emulation(response_p50=x), ARGS.steps, 2), 1000.0, 1300.0, TOKENS_PER_STEP)
+    log.append(f"response_p50 = {p50:.1f} tokens (a step then holds {step_tokens(emulation(response_p50=p50), ARGS.steps, 2):,.0f} "
+               f"tokens; the paper's 14,143 x 22.91 min = {TOKENS_PER_STEP:,.0f})")
+    step = lambda eff: run(emulation(response_p50=p50, bandwidth_efficiency=eff), gpus=64, mode="sync").step_s / 60
+    eff = secant(step, 0.5, 0.35, 22.91)
+    log.append(f"bandwidth_efficiency = {eff:.4f} (sync at 64 GPUs: {step(eff):.2f} min a step; paper 22.91)")
+    return emulation(response_p50=p50, bandwidth_efficiency=eff), log
+
+
+# ---- the table -------------------------------------------------------------------------------------------------------
+def predict(em: EmulationConfig) -> dict:
+    return {(gpus, mode): run(em, gpus=gpus, mode=mode, max_staleness=3) for gpus, mode in
+            [(64, "sync"), (64, "one-step"), (64, "partial"), (64, "dora"), (128, "sync"), (128, "partial"),
+             (128, "dora")]}
+
+
+def err(pred: float, paper: float) -> str:
+    return f"{(pred - paper) / paper:+.1%}"
+
+
+def table_md(cells: dict) -> list[str]:
+    lines = ["| GPUs | mode | split (rollout/trainer) | step min (paper) | step min (sim) | error | tokens/s (paper) "
+             "| tokens/s (sim) | error | non-overlapped share (paper / sim) | rollout bubble | staleness max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (gpus, mode), r in cells.items():
+        step, tps = PAPER[(gpus, mode)]
+        share = PAPER_SHARE.get(mode) if gpus == 64 else None
+        lines.append(
+            f"| {gpus} | {mode} | {r.rollout_gpus}/{r.trainer_gpus}{' (colocated)' if r.rollout_gpus == r.gpus else ''}"
+            f" | {step:.2f} | {r.step_s / 60:.2f} | {err(r.step_s / 60, step)} | {f'{tps:,}' if tps else '-'} | "
+            f"{r.tokens_per_s:,.0f} | {err(r.tokens_per_s, tps) if tps else '-'} | "
+            f"{f'{share:.0%}' if share else '-'} / {r.non_overlapped_share:.0%} | {r.rollout_bubble:.0%} | "
+            f"{r.staleness_max} |")
+    return lines
+
+
+def ratios_md(cells: dict) -> list[str]:
+    lines = ["| ratio | paper | sim | error |", "|---|---|---|---|"]
+    for name, (num, den, paper) in PAPER_RATIOS.items():
+        if "1/step" in name:
+            sim = cells[den].step_s / cells[num].step_s
+        else:
+            sim = cells[num].tokens_per_s / cells[den].tokens_per_s
+        lines.append(f"| {name} | {paper:.2f} | {sim:.2f} | {err(sim, paper)} |")
+    return lines
+
+
+# ---- sweeps ----------------------------------------------------------------------------------------------------------
+def row(label: str, r) -> str:
+    hist = ", ".join(f"{k}:{v}" for k, v in sorted(r.staleness_hist.items()))
+    return (f"| {label} | {r.rollout_gpus}/{r.trainer_gpus} | {r.step_s / 60:.2f} | {r.tokens_per_s:,.0f} | "
+            f"{r.non_overlapped_share:.0%} | {r.rollout_bubble:.0%} | {r.prefill_share:.1%} | {hist} |")
+
+
+SWEEP_HEAD = ["| setting | split | step min | tokens/s | non-overlapped | rollout bubble | prefill | staleness |",
+              "|---|---|---|---|---|---|---|---|"]
+
+
+def sweeps(em: EmulationConfig) -> dict[str, list[str]]:
+    out = {}
+    out["Switching (DORA K=3, the split rule's split; side by side)"] = SWEEP_HEAD + [
+        row(f"{gpus} GPUs, {switching}", run(em, gpus=gpus, mode="dora", switching=switching))
+        for gpus in (64, 128) for switching in ("drain", "queue", "migrate")]
+    out["K (DORA, 64 GPUs; K=0 is sync's gate on a disaggregated split)"] = SWEEP_HEAD + [
+        row(f"K={k}", run(em, gpus=64, mode="dora", max_staleness=k)) for k in range(0, 9)]
+    out["RBS (DORA K=3, 64 GPUs; TBS = 512 prompts)"] = SWEEP_HEAD + [
+        row(f"RBS={rbs}", run(em, gpus=64, mode="dora", rollout_batch_size=rbs)) for rbs in (512, 768, 1024, 1536, 2048)]
+    out["Version granularity and switching (DORA K=3, 64 GPUs)"] = SWEEP_HEAD + [
+        row("a version per step (TBS 512), drain", run(em, gpus=64, mode="dora")),
+        row("a version per mini-batch (TBS 32, RBS 64), drain",
+            run(em, gpus=64, mode="dora", train_batch_size=32, rollout_batch_size=64)),
+        row("a version per mini-batch (TBS 32, RBS 64), K=16",
+            run(em, gpus=64, mode="dora", train_batch_size=32, rollout_batch_size=64, max_staleness=16)),
+        row("one-step, streaming refill (not batch by batch)", run(em, gpus=64, mode="one-step-streaming")),
+    ]
+    scale = []
+    for gpus in ARGS.scale:
+        prompts = 512 * gpus // 64  # weak scaling: the paper's 8 prompts per accelerator a step
+        steps = dict(steps=3, warmup_steps=1) if gpus > 256 else {}
+        sync = run(em, gpus=gpus, mode="sync", prompts_per_step=prompts, **steps)
+        dora = run(em, gpus=gpus, mode="dora", prompts_per_step=prompts, train_batch_size=prompts,
+                   rollout_batch_size=2 * prompts, **steps)
+        scale.append((gpus, prompts, sync, dora))
+    out["Accelerators, weak scaling (8 prompts x 16 samples per accelerator a step; sync vs DORA K=3)"] = [
+        "| GPUs | prompts/step | sync step min | sync tokens/s | DORA split | DORA step min | DORA tokens/s | "
+        "DORA/sync | DORA non-overlapped | DORA rollout bubble |", "|---|---|---|---|---|---|---|---|---|---|"] + [
+        f"| {g} | {p} | {s.step_s / 60:.2f} | {s.tokens_per_s:,.0f} | {d.rollout_gpus}/{d.trainer_gpus} | "
+        f"{d.step_s / 60:.2f} | {d.tokens_per_s:,.0f} | {d.tokens_per_s / s.tokens_per_s:.2f}x | "
+        f"{d.non_overlapped_share:.0%} | {d.rollout_bubble:.0%} |" for g, p, s, d in scale]
+    plot(scale)
+    return out
+
+
+def plot(scale) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    gpus = [g for g, *_ in scale]
+    ax.plot(gpus, [s.tokens_per_s / g for g, _, s, _ in scale], "o-", label="sync")
+    ax.plot(gpus, [d.tokens_per_s / g for g, _, _, d in scale], "o-", label="DORA K=3")
+    ax.set(xscale="log", xlabel="accelerators (weak scaling)", ylabel="tokens/s per accelerator",
+           title="Simulated throughput per accelerator (virtual time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "paper_table.png", dpi=110)
+
+
+# ---- main ------------------------------------------------------------------------------------------------------------
+def main() -> None:
+    t0 = time.time()
+    em, log = calibrate()
+    cells = predict(em)
+    text = ["# The DORA paper's table, predicted by the simulator", "",
+            "Produced by `python benchmarks/paper_table.py`: the discrete-event simulator (`pipelines/simulator`) "
+            "drives the real VersionGate and Orchestrator with the emulation cost model, in virtual seconds. "
+            f"{ARGS.steps} steps a run, the first 2 left out.", "", "## Calibration (sync, 64 GPUs, only)", ""]
+    text += [f"- {line}" for line in log] + ["", "## Predicted against published", ""] + table_md(cells)
+    text += ["", "## Ratios", ""] + ratios_md(cells)
+    print("\n".join(text), flush=True)
+    for title, lines in sweeps(em).items():
+        text += ["", f"## Sweep: {title}", ""] + lines
+        print("\n".join(text[-len(lines) - 3:]), flush=True)
+    text += ["", f"(simulated in {time.time() - t0:.0f} s of wall time)"]
+    OUT.mkdir(exist_ok=True)
+    (OUT / "paper_table.md").write_text("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    ARGS = parser.parse_args()
+    ARGS.steps = 5 if ARGS.quick else 8
+    ARGS.scale = (64, 128, 256, 1024) if ARGS.quick else (64, 128, 256, 512, 1024, 2048, 4096)
+    main()

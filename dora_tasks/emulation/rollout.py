@@ -1,0 +1,193 @@
+"""The emulated rollout engine (`rollout.engine=emulated`): a vLLM-like instance as a timing model, for scale studies.
+
+It keeps the `RolloutEngine` contract and returns real token arrays, so everything downstream (the rollout server's
+chunk loop and version policy, the driver, gate, store and audit) runs as with a real engine; only the decoding is
+replaced by sleeping what the cost model (`dora_tasks.emulation.cost_model`) says the accelerators would take,
+divided by `emulation.speedup`.
+
+* Lengths: a row's response length is `LengthModel.response_tokens(prompt_id, sample)`. The prompt id is read from the
+  prompt's synthetic tokens (`dora_tasks.emulation.task`); the sample index is the order in which a session receives
+  a prompt's rows (the rollout server adds the G rows of a group one after the other), modulo `rollout.group_size`.
+  A row added again with tokens already generated (a re-encoded row) keeps the sample its first token names.
+* Tokens are synthetic; behaviour log-probs are `SYNTHETIC_LOGPROB` (a constant, marked as such: no model sampled
+  them); every token carries the loaded version, so the audit's C1 check tests the version policy for real.
+* Continuous batching within the KV-cache budget (`CostModel.kv_capacity_tokens`): at every decode call the rows
+  are admitted first come first served while their caches, grown by this call's tokens, fit (and at most
+  `emulation.max_rows` of them); a row that does not fit waits (0 tokens, unfinished) and its cache is dropped, so it
+  is prefilled again (prompt + tokens so far) when it is admitted, as vLLM's recompute preemption does.
+* Cost of a call: `prefill_s` of each newly admitted row, plus the sum over the call's steps of
+  `decode_step_s(rows still running, their total context)`, rows leaving as they end.
+* `load_version` sleeps the weight-load time (`emulation.weight_source`: from a peer instance or from the store).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dora_tasks.core.clock import Clock
+from dora_tasks.core.contracts import DecodeSession, RolloutEngine
+from dora_tasks.core.records import Generation
+from dora_tasks.emulation.cost_model import CostModel, cost_model_from
+from dora_tasks.emulation.lengths import length_model_from
+from dora_tasks.emulation.task import SAMPLE_BASE, is_emulated_model, prompt_id_of, response_token_ids
+
+SYNTHETIC_LOGPROB = -1.0  # behaviour log-prob of every emulated token: SYNTHETIC, no model sampled it
+_EMPTY_I, _EMPTY_F = np.zeros(0, np.int32), np.zeros(0, np.float32)
+
+
+class EmulatedRolloutEngine(RolloutEngine):
+    def __init__(self, model_path: str, rollout_cfg, version: int = 0, *, emulation, seed: int = 0):
+        self.version = version
+        self.cost = cost_model_from(emulation)
+        self.lengths = length_model_from(emulation, seed)
+        self.clock = Clock(emulation.speedup)
+        self.group_size = rollout_cfg.group_size
+        self.max_rows = emulation.max_rows
+        self.capacity = self.cost.kv_capacity_tokens()
+        self._budget = rollout_cfg.max_new_tokens
+        self._load_s = (self.cost.weights_from_peer_s() if emulation.weight_source == "peer"
+                        else self.cost.weights_from_store_s())
+        self.emulated_s = 0.0  # emulated seconds this engine has spent (decoding, prefilling, loading)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._budget
+
+    def load_version(self, version: int, weights_path: str) -> None:
+        if not is_emulated_model(weights_path):
+            raise OSError(f"{weights_path!r} holds no emulated model (rollout.engine=emulated needs task.name=emulated)")
+        self.spend(self._load_s)
+        self.version = version
+
+    def open_session(self) -> "EmulatedSession":
+        return EmulatedSession(self)
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
+                 max_new_tokens: int | None = None) -> list[list[Generation]]:
+        budget = max_new_tokens or self._budget
+        session = self.open_session()
+        keys = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        for i, j in keys:
+            session.add((i, j), prompts[i])
+        parts: dict = {k: [] for k in keys}
+        live = dict.fromkeys(keys, 0)
+        while live:
+            for key, g in session.decode({k: budget - done for k, done in live.items()}, seed).items():
+                parts[key].append(g)
+                live[key] += len(g.token_ids)
+                if g.finished or live[key] >= budget:
+                    del live[key]
+            session.drop([k for k in parts if k not in live])
+        return [[_concat(parts[(i, j)]) for j in range(n)] for i in range(len(prompts))]
+
+    def spend(self, seconds: float) -> None:
+        """Let `seconds` of accelerator time pass (slept at `emulation.speedup`)."""
+        self.emulated_s += seconds
+        self.clock.sleep(seconds)
+
+
+@dataclass
+class _Row:
+    sample: int
+    context: int  # prompt + tokens generated so far
+    target: int  # its response length
+    generated: int
+    cached: bool = False  # its KV cache is on the instance (admitted and not preempted since)
+
+
+class EmulatedSession(DecodeSession):
+    """Rows decoded together on one loaded version; dict order is the admission order (first come first served)."""
+
+    def __init__(self, engine: EmulatedRolloutEngine):
+        self.engine, self.version = engine, engine.version
+        self.rows: dict[Hashable, _Row] = {}
+        self._added: Counter = Counter()  # rows of each prompt id added so far: the next sample index
+
+    def add(self, key: Hashable, token_ids: Sequence[int]) -> None:
+        prompt_id = prompt_id_of(token_ids)
+        start = next((i for i in range(2, len(token_ids)) if token_ids[i] >= SAMPLE_BASE), len(token_ids))
+        if start < len(token_ids):
+            sample = int(token_ids[start]) - SAMPLE_BASE
+        else:
+            sample = self._added[prompt_id] % self.engine.group_size
+            self._added[prompt_id] += 1
+        target = self.engine.lengths.response_tokens(prompt_id, sample)
+        self.rows[key] = _Row(sample, len(token_ids), target, len(token_ids) - start)
+
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        for key in keys:
+            self.rows.pop(key, None)
+
+    def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
+        wanted = {k: max(0, min(n, self.rows[k].target - self.rows[k].generated)) for k, n in steps.items()}
+        admitted, prefill = self._admit(wanted)
+        self.engine.spend(prefill + decode_cost(self.engine.cost, [(self.rows[k].context, wanted[k])
+                                                                   for k in admitted]))
+        return {k: self._emit(k, wanted[k] if k in admitted else 0) for k in steps}
+
+    def _admit(self, wanted: Mapping[Hashable, int]) -> tuple[set, float]:
+        """The rows that decode in this call, and the prefill time of those whose cache was not held."""
+        e = self.engine
+        admitted, used, prefill = set(), 0, 0.0
+        for key, row in self.rows.items():
+            if key not in wanted or wanted[key] == 0:
+                continue
+            need = row.context + wanted[key]
+            if admitted and (used + need > e.capacity or len(admitted) >= e.max_rows):
+                row.cached = False  # preempted or still waiting: its cache is (re)built when admitted
+                continue
+            if not row.cached:
+                prefill += e.cost.prefill_s(row.context)
+                row.cached = True
+            admitted.add(key)
+            used += need
+        return admitted, prefill
+
+    def _emit(self, key: Hashable, count: int) -> Generation:
+        row, v = self.rows[key], self.version
+        tokens = response_token_ids(row.sample, row.generated, count) if count else _EMPTY_I
+        row.generated += count
+        row.context += count
+        ended = row.generated >= row.target
+        finished = ended and row.target < self.engine.lengths.cap  # a response cut at the cap ends unfinished
+        return Generation(tokens, np.full(count, SYNTHETIC_LOGPROB, np.float32) if count else _EMPTY_F,
+                          np.full(count, v, np.int32) if count else _EMPTY_I, finished)
+
+
+def decode_cost(cost: CostModel, rows: Sequence[tuple[int, int]]) -> float:
+    """Seconds to decode rows given as (context, tokens) together, each leaving after its tokens: the sum over steps
+    s of `decode_step_s(rows still running, sum of their context + s)`."""
+    total, step = 0.0, 0
+    count, context = len(rows), sum(c for c, _ in rows)
+    for own_context, ends in sorted(rows, key=lambda r: r[1]):
+        if ends > step:
+            total += _sum_steps(cost, count, context, step, ends)
+            step = ends
+        count, context = count - 1, context - own_context
+    return total
+
+
+def _sum_steps(cost: CostModel, rows: int, context: int, a: int, b: int) -> float:
+    """sum over s in [a, b) of decode_step_s(rows, context + rows * s). decode_step_s is convex and piecewise linear
+    in the context (the larger of a memory and a compute line), so a span whose midpoint lies on its chord is linear
+    and sums in closed form; otherwise it is halved."""
+    def f(s: int) -> float:
+        return cost.decode_step_s(rows, context + rows * s)
+
+    n = b - a
+    if n <= 2:
+        return sum(f(s) for s in range(a, b))
+    first, last, mid = f(a), f(b - 1), (a + b - 1) // 2
+    chord = first + (last - first) * (mid - a) / (b - 1 - a)
+    if abs(f(mid) - chord) <= 1e-9 * max(abs(chord), 1e-12):
+        return n * (first + last) / 2
+    return _sum_steps(cost, rows, context, a, mid + 1) + _sum_steps(cost, rows, context, mid + 1, b)
+
+
+def _concat(parts: list[Generation]) -> Generation:
+    return Generation(np.concatenate([p.token_ids for p in parts] or [_EMPTY_I]),
+                      np.concatenate([p.logprobs for p in parts] or [_EMPTY_F]),
+                      np.concatenate([p.versions for p in parts] or [_EMPTY_I]), bool(parts and parts[-1].finished))

@@ -1,0 +1,168 @@
+"""The discrete-event loop: emulated engines in virtual time around the real `VersionGate` and `Orchestrator`.
+
+It mirrors `pipelines.streaming.stream`: each turn lets the orchestrator start groups and move idle instances, asks
+the gate whether the next update may start, and feeds back what finished (a group completes when its last sample
+ends; its reward and advantage are taken to cost nothing, as they run on CPU workers beside the accelerators).
+Turns happen when something changes, at most once per `decision_interval_s` (the driver's turn); between turns the
+engines advance analytically (`pipelines.simulator.engine`).
+
+Weight loads: an instance takes a version from a peer instance that holds it (`weights_from_peer_s`, waiting for the
+first holder to finish loading), else from the weight store (`weights_from_store_s`); in colocated modes the
+trainer's accelerators are the rollout accelerators, so they hold each version as it is published.
+"""
+from __future__ import annotations
+
+import math
+
+from dora_tasks.emulation.lengths import LengthModel
+from pipelines.gate import BatchDecision, VersionGate
+from pipelines.orchestrator import Load, Migrate, Orchestrator, Start
+from pipelines.simulator.config import SimConfig, SimulatorError
+from pipelines.simulator.engine import Engine, Seq
+from pipelines.simulator.modes import StepStats, mode_named
+from pipelines.simulator.record import Recorder
+from pipelines.switching import switching_named
+
+INF = math.inf
+
+
+def step_stats(lengths: LengthModel, prompts: int, group_size: int) -> StepStats:
+    """The first step's prompts, as the split rule sees them."""
+    ids = [(p, s) for p in range(prompts) for s in range(group_size)]
+    return StepStats(tuple(lengths.prompt_tokens(p) for p, _ in ids),
+                     tuple(lengths.response_tokens(p, s) for p, s in ids))
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, cost, lengths: LengthModel):
+        self.cfg, self.cost, self.lengths = cfg.validate(), cost, lengths
+        self.mode = mode_named(cfg.mode, cfg.max_staleness)
+        self.tbs, rbs = self.mode.batches(cfg)
+        self.split = self.mode.split(cfg, cost, step_stats(lengths, cfg.prompts_per_step, cfg.group_size))
+        instances = self.split.rollout_gpus // cost.tp
+        if instances < 1:
+            raise SimulatorError(f"no rollout instance: {self.split.rollout_gpus} accelerators, tp {cost.tp}")
+        self.updates = cfg.steps * cfg.prompts_per_step // self.tbs
+        K = self.mode.max_staleness
+        self.gate = VersionGate(K, self.tbs)
+        self.orchestrator = Orchestrator(rbs, group_budget=(self.updates + K + 2) * self.tbs,
+                                         switching=switching_named(cfg.switching), group_size=cfg.group_size)
+        self.engines = {f"r{i:05d}": Engine(f"r{i:05d}", cost, cfg.max_rows) for i in range(instances)}
+        for name in self.engines:  # its share of RBS, in groups (its engine queues what it cannot run yet)
+            self.orchestrator.add_instance(name, math.ceil(rbs / instances), cost.kv_capacity_tokens(), cfg.max_rows)
+        self.now = 0.0
+        self.groups: dict[int, list[Seq]] = {}
+        self.left: dict[int, int] = {}  # group -> samples still running
+        self.training: BatchDecision | None = None
+        self.train_end = INF
+        self.ready: dict[int, float] = {}  # version -> when a peer holds it
+        self.ended: list[Seq] = []  # rows that ended while an engine was synced for a change
+        self.record = Recorder(self)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------------
+    def run(self) -> "Recorder":
+        self._decide()
+        while self.gate.next_update < self.updates:
+            self.now = self._next_time()
+            self._turn()
+        return self.record
+
+    def _next_time(self) -> float:
+        engines = min((e.next_change for e in self.engines.values()), default=INF)
+        t = min(self.train_end, max(self.now + self.cfg.decision_interval_s, engines))
+        if t == INF:
+            raise SimulatorError(f"stuck at {self.now:.1f} s: nothing runs and the gate takes nothing "
+                                 f"(update {self.gate.next_update}, {len(self.gate.complete)} groups complete)")
+        return t
+
+    def _turn(self) -> None:
+        for engine in self.engines.values():
+            if engine.next_change <= self.now:
+                self.ended += engine.advance_to(self.now)
+        changed = self._collect()
+        if self.train_end <= self.now:
+            self._publish()
+            changed = True
+        if changed:
+            self._decide()
+
+    def _collect(self) -> bool:
+        """Rows that ended: a group whose last sample ended is complete."""
+        done = False
+        for seq in self.ended:
+            self.orchestrator.on_request_done(seq.group, seq.sample)
+            done = True  # its row is free
+            self.left[seq.group] -= 1
+            if self.left[seq.group] == 0:
+                self.orchestrator.on_group_done(seq.group)
+                self.gate.on_complete(seq.group)
+        self.ended = []
+        return done
+
+    def _decide(self) -> None:
+        if self.cfg.switching == "migrate":  # where a migrated group's cache fits
+            for engine in self.engines.values():
+                for group, tokens in engine.held_tokens().items():
+                    self.orchestrator.on_progress(group, tokens)
+        for action in self.orchestrator.decide(self.mode.capacity(self)):
+            self._act(action)
+        if self.training is None and len(self.gate.complete) >= self.tbs:
+            decision = self.gate.decide()
+            if decision is not None:
+                self._train(decision)
+        if self.cfg.check:
+            self.gate.validate()
+            self.orchestrator.validate()
+
+    # ---- actions ----------------------------------------------------------------------------------------------------
+    def _act(self, action: Load | Start | Migrate) -> None:
+        if isinstance(action, Migrate):
+            source, target = self.engines[action.source], self.engines[action.target]
+            self.sync(source)
+            self.sync(target)
+            target.submit(source.take(action.group_id), migrated=True)
+            return
+        engine = self.engines[action.instance]
+        self.sync(engine)
+        if isinstance(action, Start):
+            if action.new:
+                self.gate.on_dispatch(action.group_id, action.version)
+            engine.submit(self._group(action.group_id))
+        else:
+            engine.load(action.version, self.load_seconds(action.version))
+
+    def sync(self, engine: Engine) -> None:
+        self.ended += engine.sync(self.now)
+
+    def _group(self, group_id: int) -> list[Seq]:
+        prompt = self.lengths.prompt_tokens(group_id)
+        seqs = [Seq(group_id, s, prompt, self.lengths.response_tokens(group_id, s))
+                for s in range(self.cfg.group_size)]
+        self.groups[group_id] = seqs
+        self.left[group_id] = len(seqs)
+        return seqs
+
+    def load_seconds(self, version: int) -> float:
+        """Waiting for a peer that holds `version` and taking it from there, or reading it from the store."""
+        if version in self.ready:
+            return max(0.0, self.ready[version] - self.now) + self.cost.weights_from_peer_s()
+        seconds = self.cost.weights_from_store_s()
+        self.ready[version] = self.now + seconds
+        return seconds
+
+    def _train(self, decision: BatchDecision) -> None:
+        self.training = decision
+        lengths = [s.prompt + s.target for g in decision.group_ids for s in self.groups[g]]
+        self.train_end = self.now + self.cost.train_s(lengths, self.split.trainer_gpus)
+        self.record.on_train(decision, self.now, self.train_end)
+        self.mode.on_train_start(self)
+
+    def _publish(self) -> None:
+        decision, self.training, self.train_end = self.training, None, INF
+        self.gate.on_update_done(decision.update)
+        version = decision.update + 1
+        self.orchestrator.on_publish(version)
+        if self.mode.colocated:
+            self.ready[version] = self.now
+        self.mode.on_publish(self, version)
+        self.record.on_publish(decision, self.now)

@@ -1,0 +1,168 @@
+"""The benchmark's modes as small strategy objects, and the rule that splits accelerators between rollout and trainer.
+
+A mode says where rollout and training run (`colocated`: the same accelerators, taking turns), its staleness bound
+K, its batch sizes, and what happens when training starts and when a version is published. Everything else (which
+groups start where, which groups an update takes) is the real `Orchestrator` and `VersionGate`.
+
+Versions are per step: the paper's K counts steps (sync is K=0 although its 16 mini-batch updates follow one
+rollout), so by default TBS is one step's prompts and the 16 mini-batch updates of a step are one `train_s` over
+its 8,192 sequences. `SimConfig.train_batch_size` may be set smaller (a version per mini-batch) for DORA and partial.
+
+* `sync` (K=0, colocated): every accelerator rolls out one step's prompts, then every accelerator trains on them.
+* `one-step` (K=1, disaggregated, RBS = TBS): StreamRL/AsyncFlow; step n+1 rolls out while step n trains, batch by
+  batch (a batch is dispatched once the previous one has ended), so it keeps the long-tail bubble, as the paper
+  says of it; `one-step-streaming` refills ended rows with the next batch's prompts at once.
+* `partial` (colocated, RBS > TBS; slime's and Kimi k1.5's partial rollout): rollout runs until TBS groups are
+  complete, then training takes the accelerators; unfinished sequences wait, and at the publish every instance loads
+  the new version and re-prefills them (prompt and tokens so far), their later tokens belonging to the new version
+  (C1 broken on purpose). Staleness bound: counted from the version a group was dispatched on (AReaL's
+  max_head_offpolicyness counts the same way), with the same K as DORA so that the two differ only in how they keep
+  old work; slime and Kimi set no bound, and AReaL finds 4-8 harmless.
+* `dora` (K given, disaggregated, RBS > TBS): the orchestrator's proportional instance assignment as it is, without
+  request migration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelines.simulator.config import SimulatorError
+
+
+
+@dataclass(frozen=True)
+class Split:
+    rollout_gpus: int
+    trainer_gpus: int
+    predicted_step_s: float  # what the split rule expected (0 when not used)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's workload, summarised for the split rule."""
+
+    prompt_lengths: tuple[int, ...]  # per sequence
+    response_lengths: tuple[int, ...]
+
+    @property
+    def mean_context(self) -> float:
+        """Cached tokens of a running row, averaged over its decode steps: a row of length l holds p + l/2 on
+        average for l steps."""
+        num = sum(r * (p + r / 2) for p, r in zip(self.prompt_lengths, self.response_lengths))
+        return num / sum(self.response_lengths)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        return [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+
+
+def rollout_seconds(cost, stats: StepStats, instances: int, max_rows: int) -> float:
+    """A step's rollout at the steady token rate of full batches (no long-tail bubble): the split rule's estimate."""
+    ctx = stats.mean_context
+    rows = max(1, min(max_rows, int(cost.kv_capacity_tokens() // ctx)))
+    rate = instances * rows / cost.decode_step_s(rows, int(rows * ctx))
+    prefill = sum(cost.prefill_s(p) for p in stats.prompt_lengths) / instances
+    return sum(stats.response_lengths) / rate + prefill
+
+
+def balanced_split(gpus: int, cost, stats: StepStats, max_rows: int) -> Split:
+    """The split with the best predicted step time, max(rollout at the steady rate, training): the rollout side in
+    whole instances of `tp` accelerators; ties go to the larger rollout side."""
+    best = None
+    for rollout in range(cost.tp, gpus, cost.tp):
+        trainer = gpus - rollout
+        step = max(rollout_seconds(cost, stats, rollout // cost.tp, max_rows),
+                   cost.train_s(stats.sequence_lengths, trainer))
+        if best is None or step <= best.predicted_step_s:
+            best = Split(rollout, trainer, step)
+    if best is None:
+        raise SimulatorError(f"{gpus} accelerators cannot be split into rollout instances of {cost.tp} and a trainer")
+    return best
+
+
+class Mode:
+    name = ""
+    colocated = False
+    max_staleness = 0
+
+    def batches(self, cfg) -> tuple[int, int]:
+        """(TBS, RBS) in groups."""
+        return cfg.prompts_per_step, cfg.prompts_per_step
+
+    def split(self, cfg, cost, stats: StepStats) -> Split:
+        if self.colocated:
+            return Split(cfg.gpus, cfg.gpus, 0.0)
+        if cfg.trainer_gpus:
+            return Split(cfg.gpus - cfg.trainer_gpus, cfg.trainer_gpus, 0.0)
+        return balanced_split(cfg.gpus, cost, stats, cfg.max_rows)
+
+    def capacity(self, sim: "Simulation") -> int:
+        """New groups the orchestrator may dispatch now."""
+        return sim.gate.capacity()
+
+    def on_train_start(self, sim: "Simulation") -> None:
+        if self.colocated:
+            for engine in sim.engines.values():
+                sim.sync(engine)
+                engine.pause()
+
+    def on_publish(self, sim: "Simulation", version: int) -> None:
+        if self.colocated:
+            for engine in sim.engines.values():
+                engine.resume(sim.now)
+
+
+class Sync(Mode):
+    name, colocated, max_staleness = "sync", True, 0
+
+
+class OneStep(Mode):
+    name, max_staleness = "one-step", 1
+
+    def capacity(self, sim):
+        return 0 if sim.orchestrator.in_flight else sim.gate.capacity()
+
+
+class OneStepStreaming(Mode):
+    name, max_staleness = "one-step-streaming", 1
+
+
+class Dora(Mode):
+    name = "dora"
+
+    def __init__(self, max_staleness: int):
+        self.max_staleness = max_staleness
+
+    def batches(self, cfg):
+        return cfg.train_batch_size, cfg.rollout_batch_size
+
+
+class Partial(Dora):
+    name, colocated = "partial", True
+
+    def on_publish(self, sim, version):
+        super().on_publish(sim, version)
+        for engine in sim.engines.values():
+            sim.sync(engine)
+            engine.reprefill(version)
+            engine.load(version, sim.load_seconds(version))
+        retarget_all(sim.orchestrator, version)
+
+
+def retarget_all(orchestrator, version: int) -> None:
+    """Every instance and every running group is on `version` now (the partial-rollout baseline has no per-version
+    instances); the gate still holds each group's dispatch version for its staleness."""
+    for inst in orchestrator.instances.values():
+        inst.version = version
+    for group_id, (_, address) in list(orchestrator.running.items()):
+        orchestrator.running[group_id] = (version, address)
+
+
+MODES = ("sync", "one-step", "one-step-streaming", "partial", "dora")
+
+
+def mode_named(name: str, max_staleness: int) -> Mode:
+    makers = {"sync": Sync, "one-step": OneStep, "one-step-streaming": OneStepStreaming, "partial": lambda: Partial(max_staleness),
+              "dora": lambda: Dora(max_staleness)}
+    if name not in makers:
+        raise SimulatorError(f"mode: got {name!r}, allowed: {', '.join(MODES)}")
+    return makers[name]()

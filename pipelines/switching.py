@@ -1,0 +1,122 @@
+"""How an instance moves from an older version to the newest: the orchestrator's switching strategies.
+
+* `Drain` (the default): an instance finishing an older version's requests takes no new work and switches once its
+  last request has ended; its freed rows idle meanwhile (the rollout bubble of a version switch).
+* `Queue` (queued switching): such an instance is retargeted to the newest version at once, so new groups queue on it
+  and start the moment its older requests end; it then holds requests of at most two versions (its engine still
+  swaps weights only once the older ones have ended, so C1 holds).
+* `Migrate` (DORA's Algorithm 1, steps 2-3): each live version gets a share of the instances in proportion to its
+  remaining requests; an instance leaving an older version hands its unfinished requests to instances that stay on
+  that version (fewest remaining requests leave first; a request goes where its rows and KV cache fit, and never to
+  another version), then loads the newest version from a peer that holds it. A leaver whose requests do not all fit
+  drains instead.
+
+A strategy is asked once per `Orchestrator.decide`, before free rows are filled: it is the orchestrator's periodic
+firing, and with it the firing after every publish and on KV pressure (both end in the next `decide`).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Switching(Protocol):
+    name: str
+    versions_per_instance: int  # versions whose requests one instance may hold at once
+
+    def plan(self, orch, capacity: int) -> list:
+        """Retargets (`Load`) and migrations (`Migrate`) for now, applied to the orchestrator `orch` as returned."""
+
+
+class Drain:
+    name, versions_per_instance = "drain", 1
+
+    def plan(self, orch, capacity):
+        return []
+
+
+class Queue:
+    name, versions_per_instance = "queue", 2
+
+    def plan(self, orch, capacity):
+        actions = []
+        for inst in orch.ordered_instances():
+            if self._may_queue_behind(orch, inst, capacity):
+                actions.append(orch.assign(inst, orch.newest))
+        return actions
+
+    @staticmethod
+    def _may_queue_behind(orch, inst, capacity) -> bool:
+        """`inst` holds requests of one older version only (and no restart waits for that version), and would move
+        to the newest next anyway."""
+        if not inst.running or inst.version == orch.newest:
+            return False
+        if orch.queued.get(inst.version) or len(orch.versions_on(inst)) > 1:
+            return False
+        return orch.target_version(inst, capacity) == orch.newest
+
+
+class Migrate:
+    name, versions_per_instance = "migrate", 1
+
+    def plan(self, orch, capacity):
+        shares = proportional_shares(orch.remaining_rows(capacity), len(orch.instances))
+        actions = []
+        for version in sorted({i.version for i in orch.instances.values() if i.version is not None}):
+            if version == orch.newest:
+                continue
+            serving = [i for i in orch.ordered_instances() if i.version == version]
+            surplus = len(serving) - shares.get(version, 0)
+            leavers = sorted(serving, key=lambda i: (orch.used_rows(i), i.address))[:max(0, surplus)]
+            stayers = [i for i in serving if i not in leavers]
+            for leaver in leavers:
+                moves = place(orch, leaver, stayers)
+                if moves is not None:
+                    actions += [orch.migrate(group_id, leaver, target) for group_id, target in moves]
+        return actions
+
+
+def proportional_shares(remaining: dict[int, int], instances: int) -> dict[int, int]:
+    """DP_v = round(N * R_v / sum R): largest remainders, and at least one instance for every version with remaining
+    work while there are instances to give (older versions first: their requests can run nowhere else)."""
+    live = {v: r for v, r in remaining.items() if r > 0}
+    total = sum(live.values())
+    if not live or instances <= 0:
+        return {}
+    exact = {v: instances * r / total for v, r in live.items()}
+    shares = {v: int(x) for v, x in exact.items()}
+    for v in sorted(live, key=lambda v: (shares[v] - exact[v], -v))[:instances - sum(shares.values())]:
+        shares[v] += 1
+    for v in sorted(live):  # a version with work and no instance takes one from the version with most
+        if shares[v] == 0:
+            donor = max(shares, key=lambda w: (shares[w], w))
+            if shares[donor] > 1:
+                shares[donor] -= 1
+                shares[v] = 1
+    return shares
+
+
+def place(orch, leaver, stayers) -> list[tuple[int, object]] | None:
+    """Where each of the leaver's groups goes (all of a group's unfinished requests together): the stayer with most
+    free rows whose running batch and KV budget take it (it decodes them at once, never queues them). None when any group fits nowhere: the leaver drains instead."""
+    free = {s.address: orch.free_batch_rows(s) for s in stayers}
+    kv = {s.address: orch.free_kv(s) for s in stayers}
+    moves = []
+    for group_id in sorted(leaver.running, key=lambda g: -orch.rows_of(g)):
+        rows, tokens = orch.rows_of(group_id), orch.tokens.get(group_id, 0)
+        fits = [s for s in stayers if free[s.address] >= rows and kv[s.address] >= tokens]
+        if not fits:
+            return None
+        target = max(fits, key=lambda s: (free[s.address], s.address))
+        free[target.address] -= rows
+        kv[target.address] -= tokens
+        moves.append((group_id, target))
+    return moves
+
+
+STRATEGIES = {s.name: s for s in (Drain, Queue, Migrate)}
+
+
+def switching_named(name: str) -> Switching:
+    if name not in STRATEGIES:
+        raise ValueError(f"switching: got {name!r}, allowed: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]()

@@ -1,0 +1,191 @@
+"""Emulated engines: their contracts (lengths, versions, time = cost / speedup, KV-budget waiting) and a 16-instance
+emulated run through the real driver, gate, orchestrator, store and an embedded Dask cluster, audited, with
+torch-free workers."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dora_tasks.core.clock import Clock
+from dora_tasks.core.config import ConfigError, load_config
+from dora_tasks.core.records import Group, TrainBatch, Trajectory
+from dora_tasks.emulation.rollout import SYNTHETIC_LOGPROB, EmulatedRolloutEngine, decode_cost
+from dora_tasks.emulation.task import (SAMPLE_BASE, SyntheticTokenizer, emulated_prompts, is_emulated_model,
+                                       synthetic_reward)
+from dora_tasks.emulation.trainer import EmulatedTrainEngine
+from dora_tasks.engines.factory import make_train_engine
+from dora_tasks.engines.rollout_factory import make_rollout_engine
+
+EMULATED = ["rollout.engine=emulated", "train.engine=emulated", "task.name=emulated"]
+
+
+def emulated_config(*overrides: str):
+    return load_config(None, EMULATED + ["rollout.group_size=4", "rollout.max_new_tokens=30720"] + list(overrides))
+
+
+def engine(*overrides: str) -> EmulatedRolloutEngine:
+    cfg = emulated_config(*overrides)
+    return make_rollout_engine("", cfg.rollout, 0, emulation=cfg.emulation, seed=cfg.dora.seed)
+
+
+def test_the_three_settings_go_together_and_the_synthetic_reward_is_the_default():
+    with pytest.raises(ConfigError, match="all 'emulated' or none"):
+        load_config(None, ["rollout.engine=emulated"])
+    cfg = emulated_config()
+    assert cfg.emulated and cfg.task.reward_fn.endswith("synthetic_reward")
+    assert cfg.clock(5.0) == Clock(cfg.emulation.speedup, 5.0) and not load_config(None, []).clock(5.0).emulated
+
+
+def test_responses_have_the_length_model_lengths_and_the_loaded_version():
+    e = engine("emulation.speedup=1e6")
+    prompts, _ = emulated_prompts(4, 0, e_cfg := emulated_config().emulation, 0)
+    assert all(len(p.token_ids) == e.lengths.prompt_tokens(p.prompt_id) for p in prompts) and e_cfg
+    e.version = 3
+    out = e.generate([p.token_ids for p in prompts], 4, seed=0)
+    for p, gens in zip(prompts, out):
+        for sample, g in enumerate(gens):
+            expected = e.lengths.response_tokens(p.prompt_id, sample)
+            assert len(g.token_ids) == expected and g.finished == (expected < e.lengths.cap)
+            assert g.token_ids[0] == SAMPLE_BASE + sample and set(g.versions.tolist()) == {3}
+            assert np.all(g.logprobs == SYNTHETIC_LOGPROB)
+            reward = synthetic_reward(p.text, SyntheticTokenizer().decode(g.token_ids), p.answer)
+            assert reward in (0.0, 1.0)
+
+
+def test_a_capped_budget_cuts_responses_unfinished():
+    e = engine("emulation.speedup=1e6", "rollout.max_new_tokens=64")
+    prompts, _ = emulated_prompts(8, 0, emulated_config().emulation, 0)
+    gens = [g for gs in e.generate([p.token_ids for p in prompts], 4, 0) for g in gs]
+    assert max(len(g.token_ids) for g in gens) == 64 and not all(g.finished for g in gens)
+
+
+def test_a_decode_call_sleeps_its_cost_over_the_speedup():
+    speedup = 200.0
+    e = engine(f"emulation.speedup={speedup}")
+    prompts, _ = emulated_prompts(8, 0, emulated_config().emulation, 0)
+    session = e.open_session()
+    for p in prompts:
+        for _ in range(4):
+            session.add((p.prompt_id, _), p.token_ids)
+    steps = dict.fromkeys(session.rows, 1024)
+    rows = [(r.context, min(1024, r.target)) for r in session.rows.values()]
+    cost = sum(e.cost.prefill_s(c) for c, _ in rows) + decode_cost(e.cost, rows)
+    start = time.perf_counter()
+    session.decode(steps, 0)
+    wall = time.perf_counter() - start
+    assert e.emulated_s == pytest.approx(cost)
+    assert cost / speedup <= wall <= cost / speedup * 1.2 + 0.05
+
+
+def test_decode_cost_sums_every_step_as_rows_end():
+    e = engine()
+    rows = [(300, 5), (1200, 40), (50, 40), (9000, 77)]
+    loop = sum(e.cost.decode_step_s(len(run), sum(c + s for c, _ in run))
+               for s in range(77) for run in [[r for r in rows if r[1] > s]])
+    assert decode_cost(e.cost, rows) == pytest.approx(loop, rel=1e-12)
+
+
+def test_rows_beyond_the_kv_budget_wait_and_are_prefilled_again():
+    e = engine("emulation.speedup=1e6")
+    prompts, _ = emulated_prompts(3, 0, emulated_config().emulation, 0)
+    session = e.open_session()
+    for p in prompts:
+        session.add(p.prompt_id, p.token_ids)
+    first = session.rows[0]
+    e.capacity = first.context + 8  # room for one row and 8 tokens of it
+    out = session.decode({k: 8 for k in session.rows}, 0)
+    assert len(out[0].token_ids) == 8 and all(len(out[k].token_ids) == 0 and not out[k].finished for k in (1, 2))
+    session.drop([0])
+    spent = e.emulated_s
+    e.capacity = 10**9
+    out = session.decode({k: 8 for k in session.rows}, 0)
+    assert all(len(out[k].token_ids) == min(8, session.rows[k].target) for k in (1, 2))
+    assert e.emulated_s - spent >= sum(e.cost.prefill_s(session.rows[k].context - 8) for k in (1, 2))
+
+
+def test_weight_load_sleeps_the_transfer_time(tmp_path):
+    from dora_tasks.emulation.task import write_model_folder
+
+    e = engine("emulation.speedup=1000", "emulation.weight_source=store")
+    write_model_folder(str(tmp_path / "v1"), "qwen2.5-32b", 1)
+    start = time.perf_counter()
+    e.load_version(1, str(tmp_path / "v1"))
+    assert e.version == 1 and time.perf_counter() - start >= e.cost.weights_from_store_s() / 1000
+    with pytest.raises(OSError):
+        e.load_version(2, str(tmp_path / "missing"))
+
+
+def test_the_emulated_trainer_sleeps_train_time_and_publishes_an_emulated_model(tmp_path):
+    cfg = emulated_config("emulation.speedup=2000")
+    t: EmulatedTrainEngine = make_train_engine("", cfg.train, version=2, emulation=cfg.emulation)
+    trajectories = [Trajectory(0, i, np.ones(200, np.int32), np.ones(1000 * (i + 1), np.int32),
+                               np.full(1000 * (i + 1), 2, np.int32), np.zeros(1000 * (i + 1), np.float32), True)
+                    for i in range(4)]
+    batch = TrainBatch(2, [Group(0, None, 2, trajectories=trajectories)], 1)
+    expected = t.cost.train_s([1200, 2200, 3200, 4200], cfg.emulation.trainer_gpus)
+    start = time.perf_counter()
+    metrics = t.train_step(batch)
+    assert time.perf_counter() - start >= expected / 2000 and metrics["emulated_train_s"] == pytest.approx(expected)
+    assert t.version == 3
+    t.save_weights(str(tmp_path / "w"))
+    assert is_emulated_model(str(tmp_path / "w"))
+    t.save_checkpoint(str(tmp_path / "ckpt"))
+    restored = make_train_engine("", cfg.train, version=0, emulation=cfg.emulation)
+    restored.load_checkpoint(str(tmp_path / "ckpt"))
+    assert restored.version == 3 and restored.load_optimizer_state(str(tmp_path / "ckpt"))
+
+
+# ---- a real emulated run -----------------------------------------------------------------------------------------
+def worker_probe(dask_worker):
+    import sys
+
+    import psutil
+
+    return "torch" in sys.modules, psutil.Process().memory_info().rss, sorted(dask_worker.state.total_resources)
+
+
+def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_path):
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+    from storage.trajectory_store import TrajectoryStore
+
+    speedup = 100.0
+    cfg = load_config(None, EMULATED + [
+        "rollout.instances=16", "rollout.slots=2", "rollout.group_size=4", "rollout.max_new_tokens=4096",
+        "rollout.chunk_tokens=512", "emulation.response_p50=300", f"emulation.speedup={speedup}",
+        "dora.train_batch_size=8", "dora.rollout_batch_size=32", "dora.num_updates=5", "dora.max_staleness=2",
+        "task.num_prompts=256", "task.eval_prompts=8", "cluster.cpu_workers=1", "cluster.cpu_threads=2",
+        "cluster.worker_memory=1GiB", "storage.checkpoint_interval=3", "tracking.plots=false",
+        "tracking.live_view=false", f"storage.run_dir={tmp_path / 'run'}",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db"])
+    started = time.time()
+    probes: dict = {}
+    with open_run(cfg) as run:
+        streamed = time.time()
+        stream(run.driver, lambda d: probes or probes.update(d.client.run(worker_probe)))
+        streamed = time.time() - streamed
+        summary = run.finish()
+    assert time.time() - started < 120
+    assert summary.audit_ok, summary.audit_text
+    for clause in ("C1", "C2", "C3"):
+        assert f"{clause} " in summary.audit_text and "FAIL" not in summary.audit_text
+    roles = [r for _, _, r in probes.values()]
+    assert roles.count(["GPU", "ROLLOUT"]) == 16 and roles.count(["GPU", "TRAINER"]) == 1
+    for torch_loaded, rss, resources in probes.values():
+        if "ROLLOUT" in resources or "TRAINER" in resources:
+            assert not torch_loaded and rss < 200 * 2**20
+    # every figure in emulated seconds: the run's span on its clock is the wall span times the speed-up
+    assert 0.5 * streamed * speedup < summary.metrics["wall_s"] < 1.2 * streamed * speedup
+    store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))
+    assert store.meta["clock"].startswith("emulated seconds")
+    updates = store.read_table("updates")
+    assert np.all(np.diff(updates["end"]) > 0) and updates["end"][-1] - updates["start"][0] > streamed
+
+
+def test_the_run_is_tagged_emulated_for_mlflow():
+    from pipelines.tracking import run_tags
+
+    tags = run_tags(emulated_config())
+    assert tags["dora.emulated"] == "true" and tags["dora.clock"].startswith("emulated seconds")

@@ -1,0 +1,153 @@
+"""The cost model's formulas against hand-computed cases, the simulator's analytic engine against a step-by-step
+reference, and the simulated modes' guarantees (C1-C3) with the real VersionGate and Orchestrator."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dora_tasks.emulation.cost_model import CostModel
+from dora_tasks.emulation.lengths import LengthModel
+from pipelines.cli import main
+from pipelines.gate import VersionGate
+from pipelines.orchestrator import Orchestrator
+from pipelines.simulator import SimConfig, simulate
+from pipelines.simulator.core import Simulation
+from pipelines.simulator.engine import Engine, Seq
+
+COST = CostModel.named("H800", "qwen2.5-32b")  # tp 2, bandwidth efficiency 0.5, MFUs 0.5 / 0.5 / 0.25
+SMALL = dict(gpus=16, prompts_per_step=32, group_size=8, train_batch_size=32, rollout_batch_size=64, max_rows=64,
+             steps=5, warmup_steps=1)
+LONG_TAIL = LengthModel(response_p50=300, cap=6000)
+
+
+# ---- cost model ----------------------------------------------------------------------------------------------------
+def test_kv_capacity_of_qwen32b_on_two_h800():
+    assert COST.kv_capacity_tokens() == int((2 * 80e9 * 0.9 - 65e9) // (2 * 64 * 8 * 128 * 2))  # 301,361
+
+
+def test_decode_step_memory_bound_at_small_batch():
+    weights = 65e9 / (2 * 3.35e12 * 0.5)
+    kv = 10_000 * 262_144 / (2 * 3.35e12 * 0.5)
+    all_reduce = 2 * 64 * 1 * 5120 * 2 * 1.0 / 200e9  # two per layer, ring share 2(tp-1)/tp = 1
+    assert COST.decode_step_s(1, 10_000) == pytest.approx(weights + kv + all_reduce, rel=1e-12)
+
+
+def test_decode_step_compute_bound_at_large_batch():
+    compute = 2 * 32.5e9 * 4096 / (2 * 989.4e12 * 0.5)  # 0.269 s > 0.019 s of weights
+    all_reduce = 2 * 64 * 4096 * 5120 * 2 / 200e9
+    assert COST.decode_step_s(4096, 0) == pytest.approx(compute + all_reduce, rel=1e-12)
+
+
+def test_prefill_train_and_weight_loads():
+    prefill = (2 * 32.5e9 * 1000 + 2 * 64 * 5120 * 1000**2) / (2 * 989.4e12 * 0.5) + 1000 * 2 * 64 * 5120 * 2 / 200e9
+    assert COST.prefill_s(1000) == pytest.approx(prefill, rel=1e-12)
+    train = 8 * (32.5e9 * 8000 + 64 * 5120 * 8 * 1000**2) / (32 * 989.4e12 * 0.25)
+    assert COST.train_s([1000] * 8, 32) == pytest.approx(train, rel=1e-12)
+    assert COST.weights_from_peer_s() == pytest.approx(65e9 / (2 * 50e9))
+    assert COST.weights_from_store_s() == pytest.approx(65e9 / (2 * 2e9))
+
+
+@pytest.mark.parametrize("rows,context,steps", [(256, 46_000, 700), (1, 200, 3000), (600, 0, 900), (2048, 10, 40)])
+def test_decode_steps_in_closed_form_equal_their_sum(rows, context, steps):
+    one_by_one = sum(COST.decode_step_s(rows, context + i * rows) for i in range(steps))
+    assert COST.decode_steps_s(rows, context, steps) == pytest.approx(one_by_one, rel=1e-9)
+
+
+def test_chunked_prefill_is_free_in_a_memory_bound_step_and_costs_its_flops_beyond():
+    assert COST.chunked_prefill_s(20, 8, 1000) == 0.0
+    assert COST.chunked_prefill_s(50_000, 8, 1000) > 0.9 * COST.prefill_s(50_000) - COST.decode_step_s(8, 1000)
+
+
+# ---- the analytic engine against a step-by-step reference ------------------------------------------------------------
+class SteppedEngine:
+    """The engine's rules, one decode step at a time."""
+
+    def __init__(self, cost, max_rows, capacity):
+        self.cost, self.max_rows, self.capacity, self.t = cost, max_rows, capacity, 0.0
+        self.running, self.waiting, self.ends = [], [], {}
+
+    def context(self):
+        return sum(s.prompt + s.tokens for s in self.running)
+
+    def fits(self, seq):
+        held = self.context() + seq.prompt + seq.tokens + 1 + (self.capacity // 100) * bool(self.running)
+        return len(self.running) < self.max_rows and held <= self.capacity
+
+    def run(self):
+        while self.running or self.waiting:
+            rows, context, tokens = len(self.running), self.context(), 0
+            while self.waiting and self.fits(self.waiting[0]):
+                seq = self.waiting.pop(0)
+                tokens += seq.prompt + seq.tokens
+                self.running.append(seq)
+            self.t += self.cost.chunked_prefill_s(tokens, rows, context) if tokens else 0.0
+            self.t += self.cost.decode_step_s(len(self.running), self.context())
+            for s in self.running:
+                s.tokens += 1
+            for s in [s for s in self.running if s.tokens >= s.target]:
+                self.running.remove(s)
+                self.ends[(s.group, s.sample)] = self.t
+            while self.running and self.context() + len(self.running) > self.capacity:
+                self.waiting.insert(0, self.running.pop())
+        return self.ends
+
+
+def workload():
+    return [Seq(g, s, 100 + 7 * g, 50 + (g * 37 + s * 101) % 900) for g in range(12) for s in range(4)]
+
+
+def test_analytic_engine_equals_step_by_step_reference_with_preemption():
+    capacity, max_rows = 12_000, 32  # small enough that the cache overflows and rows are preempted
+    engine = Engine("e", COST, max_rows)
+    engine.capacity, engine.watermark = capacity, capacity // 100
+    engine.load(0, 0.0)
+    engine.submit(workload())
+    ends = {}
+    while not engine.idle:
+        for seq in engine.advance_to(engine.next_change):
+            ends[(seq.group, seq.sample)] = engine.t
+    reference = SteppedEngine(COST, max_rows, capacity)
+    reference.waiting = workload()
+    expected = reference.run()
+    assert ends.keys() == expected.keys()
+    for key, t in expected.items():
+        assert ends[key] == pytest.approx(t, rel=1e-9), key
+
+
+# ---- simulated runs ------------------------------------------------------------------------------------------------
+def run(mode, **changes):
+    sim = Simulation(SimConfig(mode=mode, check=True, **{**SMALL, **changes}), COST, LONG_TAIL)
+    return sim, sim.run().result()
+
+
+def test_sync_has_zero_staleness_and_trains_every_group_once():
+    sim, r = run("sync")
+    assert r.staleness_hist == {0: SMALL["steps"] * SMALL["prompts_per_step"]} and r.c2_ok and r.c3_ok
+    assert sorted(sim.gate.consumed) == list(range(len(sim.gate.consumed)))
+    assert r.c1_mixed_trajectories == 0
+
+
+def test_dora_keeps_staleness_within_k_and_beats_sync_on_a_long_tail():
+    _, sync = run("sync")
+    _, dora = run("dora", max_staleness=3)
+    assert dora.staleness_max <= 3 and dora.c2_ok and dora.c3_ok and dora.c1_mixed_trajectories == 0
+    assert dora.tokens_per_s > 1.2 * sync.tokens_per_s
+
+
+def test_partial_rollout_mixes_versions_within_trajectories_and_stays_in_the_window():
+    _, r = run("partial", max_staleness=2)
+    assert r.c1_mixed_trajectories > 0 and r.c2_ok and r.staleness_max <= 2
+
+
+def test_simulator_drives_the_real_gate_and_orchestrator():
+    sim, _ = run("one-step")  # check=True: both validate() after every decision
+    assert type(sim.gate) is VersionGate and type(sim.orchestrator) is Orchestrator
+    assert sim.gate.next_update == sim.updates
+
+
+def test_cli_prints_json(capsys):
+    assert main(["simulate", "--mode", "sync", "--gpus", "16", "--prompts-per-step", "32", "--group-size", "8",
+                 "--steps", "3", "--warmup-steps", "1", "--json", "emulation.response_p50=300"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "sync" and out["staleness_max"] == 0 and out["step_s"] > 0

@@ -1,0 +1,179 @@
+"""The orchestrator's switching strategies (drain, queue, migrate), driven without a cluster by random event orders."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.gate import VersionGate
+from pipelines.orchestrator import Load, Migrate, Orchestrator, Start
+from pipelines.switching import Migrate as Migrating
+from pipelines.switching import proportional_shares, switching_named
+
+
+class Ledger:
+    """What the engines would hold, rebuilt from the actions alone: checks that no request is on two instances, none is
+    lost, none moves across versions, and no instance serves two versions' requests at once."""
+
+    def __init__(self, group_size: int, versions_per_instance: int):
+        self.g, self.per_instance = group_size, versions_per_instance
+        self.where: dict[int, str] = {}  # group -> instance
+        self.version: dict[int, int] = {}  # group -> dispatch version
+        self.left: dict[int, set[int]] = {}  # group -> unfinished requests
+        self.loaded: dict[str, int] = {}  # instance -> version it serves
+
+    def apply(self, action) -> None:
+        if isinstance(action, Load):
+            held = {self.version[g] for g, w in self.where.items() if w == action.instance}
+            assert len(held | {action.version}) <= self.per_instance, f"{action} while holding {held}"
+            if action.source:
+                assert self.loaded.get(action.source) == action.version, f"{action}: the peer holds another version"
+            self.loaded[action.instance] = action.version
+        elif isinstance(action, Start):
+            assert self.loaded[action.instance] == action.version
+            assert self.version.setdefault(action.group_id, action.version) == action.version
+            assert action.group_id not in self.where
+            self.where[action.group_id] = action.instance
+            self.left[action.group_id] = set(range(self.g))
+        elif isinstance(action, Migrate):
+            assert self.where[action.group_id] == action.source, f"{action}: the group is not on its source"
+            assert self.version[action.group_id] == action.version == self.loaded[action.target]
+            assert set(action.samples) == self.left[action.group_id], f"{action}: requests left behind or invented"
+            self.where[action.group_id] = action.target
+
+    def request_done(self, group_id: int, sample: int) -> None:
+        self.left[group_id].discard(sample)
+
+    def group_done(self, group_id: int) -> None:
+        del self.where[group_id], self.left[group_id]
+
+    def lose(self, instance: str) -> list[int]:
+        lost = sorted(g for g, w in self.where.items() if w == instance)
+        for g in lost:
+            del self.where[g], self.left[g]
+        self.loaded.pop(instance, None)
+        return lost
+
+
+def drive(strategy: str, seed: int, K: int = 3, tbs: int = 3, rbs: int = 8, updates: int = 6, instances: int = 4,
+          slots: int = 2, group_size: int = 4, kill_rate: float = 0.0, kv_budget: int = 0):
+    rng = random.Random(seed)
+    gate = VersionGate(K, tbs)
+    orch = Orchestrator(rbs, updates * tbs, switching=switching_named(strategy), group_size=group_size)
+    ledger = Ledger(group_size, orch.switching.versions_per_instance)
+    names = iter(f"w{i:03d}" for i in range(10_000))
+    for _ in range(instances):
+        orch.add_instance(next(names), slots, kv_budget)
+    migrations, steps = [], 0
+    while gate.next_update < updates:
+        steps += 1
+        assert steps < 20_000, "no progress: deadlock"
+        for action in orch.decide(gate.capacity()):
+            ledger.apply(action)
+            if isinstance(action, Start) and action.new:
+                gate.on_dispatch(action.group_id, action.version)
+            migrations += [action] if isinstance(action, Migrate) else []
+        orch.validate()
+        assert set(orch.running) == set(ledger.where)
+        assert all(orch.running[g][1] == w for g, w in ledger.where.items())
+        assert all(orch.unfinished[g] == left for g, left in ledger.left.items())
+        _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, names)
+        while gate.decide() is not None:
+            pass
+        if gate.running is not None and (not ledger.where or rng.random() < 0.3):
+            gate.on_update_done(gate.running.update)
+            orch.on_publish(gate.newest)
+    return gate, orch, migrations
+
+
+def _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, names) -> None:
+    running = sorted(ledger.where)
+    choice = rng.random()
+    if kill_rate and choice < kill_rate and orch.instances:
+        dead = rng.choice(sorted(orch.instances))
+        assert orch.remove_instance(dead) == ledger.lose(dead)
+        orch.add_instance(next(names), slots, kv_budget)
+    elif running and choice < 0.8:
+        g = rng.choice(running)
+        left = sorted(ledger.left[g])
+        if left and rng.random() < 0.8:  # one request ends; its KV use changes
+            sample = rng.choice(left)
+            orch.on_request_done(g, sample)
+            ledger.request_done(g, sample)
+            orch.on_progress(g, rng.randrange(0, 50) * len(ledger.left[g]))
+        else:
+            orch.on_group_done(g)
+            ledger.group_done(g)
+            gate.on_complete(g)
+
+
+@settings(max_examples=80, deadline=None)
+@given(strategy=st.sampled_from(["drain", "queue", "migrate"]), seed=st.integers(0, 10_000), K=st.integers(0, 4),
+       tbs=st.integers(1, 4), extra=st.integers(0, 6), instances=st.integers(1, 5), slots=st.integers(1, 3),
+       group_size=st.integers(1, 4), kill=st.sampled_from([0.0, 0.05]), kv=st.sampled_from([0, 120]))
+def test_random_event_orders_keep_every_request_on_one_instance_of_its_own_version(
+        strategy, seed, K, tbs, extra, instances, slots, group_size, kill, kv):
+    gate, orch, migrations = drive(strategy, seed, K, tbs, tbs + extra, 5, instances, slots, group_size, kill, kv)
+    assert len(gate.consumed) == 5 * tbs and not gate.unconsumed  # C2: every group trained once, none left behind
+    assert strategy == "migrate" or not migrations
+
+
+def test_migration_happens_when_an_older_version_holds_more_instances_than_its_remaining_work():
+    _, _, migrations = drive("migrate", seed=3, K=3, instances=4, slots=2, group_size=4, updates=8)
+    assert migrations  # the random workload leaves stragglers on several instances of older versions
+
+
+def test_a_straggler_moves_to_the_other_instance_of_its_version_and_its_instance_loads_the_newest():
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=4)
+    orch.add_instance("a", 1)
+    orch.add_instance("b", 1)
+    first = orch.decide(capacity=2)
+    assert [a for a in first if isinstance(a, Start)] == [Start("a", 0, 0, True), Start("b", 1, 0, True)]
+    for sample in (0, 1, 2):  # group 0 has one request left, group 1 two
+        orch.on_request_done(0, sample)
+    for sample in (0, 1):
+        orch.on_request_done(1, sample)
+    orch.on_publish(1)
+    actions = orch.decide(capacity=4)
+    assert actions[0] == Migrate(0, (3,), 0, "a", "b")  # fewest remaining leaves; b has room for it
+    assert actions[1] == Load("a", 1)  # no peer holds version 1 yet: from the store
+    assert actions[2] == Start("a", 2, 1, True)
+    orch.validate()
+    orch.on_group_done(0)
+    orch.on_group_done(1)
+    assert orch.decide(capacity=4)[0] == Load("b", 1, source="a")  # from the peer that holds it
+
+
+def test_a_leaver_whose_requests_fit_nowhere_drains_instead():
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=4)
+    orch.add_instance("a", 1)
+    orch.add_instance("b", 1)
+    orch.decide(capacity=2)
+    orch.on_request_done(1, 0)  # b has 1 free row, a's group needs 4
+    orch.on_publish(1)
+    assert not [a for a in orch.decide(capacity=4) if isinstance(a, Migrate)]
+
+
+def test_the_kv_budget_of_the_receiving_instance_is_respected():
+    def straggler_case(b_tokens: int) -> list:
+        orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=2)
+        orch.add_instance("a", 1, kv_budget=1000)
+        orch.add_instance("b", 1, kv_budget=1000)
+        orch.decide(capacity=2)
+        orch.on_request_done(0, 0)
+        orch.on_request_done(1, 0)
+        orch.on_progress(0, 400)  # a's straggler holds 400 KV tokens
+        orch.on_progress(1, b_tokens)
+        orch.on_publish(1)
+        return [a for a in orch.decide(capacity=4) if isinstance(a, Migrate)]
+
+    assert straggler_case(b_tokens=500) == [Migrate(0, (1,), 0, "a", "b")]  # 500 + 400 fit in 1000
+    assert straggler_case(b_tokens=700) == []  # 700 + 400 would not: a drains instead
+
+
+def test_shares_are_proportional_and_every_version_with_work_keeps_an_instance():
+    assert proportional_shares({0: 10, 1: 30}, 4) == {0: 1, 1: 3}
+    assert proportional_shares({0: 1, 1: 1000}, 4) == {0: 1, 1: 3}
+    assert proportional_shares({0: 0, 1: 5}, 3) == {1: 3}
+    assert sum(proportional_shares({0: 7, 1: 5, 2: 11}, 6).values()) == 6
