@@ -159,6 +159,10 @@ class Orchestrator:
         """Rows a migrated request could decode in at once (not queue behind others)."""
         return min(self.free_rows(inst), (inst.batch_rows or inst.slots * self.group_size) - self.used_rows(inst))
 
+    def queued_rows(self, inst: Instance) -> int:
+        """Rows beyond what its engine decodes at once: requests waiting in the instance's queue."""
+        return max(0, self.used_rows(inst) - (inst.batch_rows or inst.slots * self.group_size))
+
     def free_kv(self, inst: Instance) -> float:
         if not inst.kv_budget:
             return float("inf")
@@ -196,13 +200,23 @@ class Orchestrator:
                 target = self.target_version(inst, capacity)
                 if target != inst.version:
                     actions.append(self.assign(inst, target))
-            while self.free_rows(inst) >= self.group_size:
-                start = self._next_start(inst, capacity)
-                if start is None:
-                    break
-                capacity -= start.new
-                actions.append(start)
+            capacity = self._fill(inst, capacity, actions)
+        rebalanced = self.switching.rebalance(self)
+        if rebalanced:  # rows freed by migrations take new work at once
+            actions += rebalanced
+            for inst in self.ordered_instances():
+                capacity = self._fill(inst, capacity, actions)
         return actions
+
+    def _fill(self, inst: Instance, capacity: int, actions: list) -> int:
+        """Start groups in `inst`'s free rows; returns the capacity left."""
+        while self.free_rows(inst) >= self.group_size:
+            start = self._next_start(inst, capacity)
+            if start is None:
+                break
+            capacity -= start.new
+            actions.append(start)
+        return capacity
 
     def assign(self, inst: Instance, version: int) -> Load:
         """`inst` serves `version` from now on, loaded from a peer that holds it when there is one."""

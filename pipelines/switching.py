@@ -5,14 +5,16 @@
 * `Queue` (queued switching): such an instance is retargeted to the newest version at once, so new groups queue on it
   and start the moment its older requests end; it then holds requests of at most two versions (its engine still
   swaps weights only once the older ones have ended, so C1 holds).
-* `Migrate` (DORA's Algorithm 1, steps 2-3): each live version gets a share of the instances in proportion to its
+* `Migrate` (DORA's Algorithm 1, steps 2-4): each live version gets a share of the instances in proportion to its
   remaining requests; an instance leaving an older version hands its unfinished requests to instances that stay on
   that version (fewest remaining requests leave first; a request goes where its rows and KV cache fit, and never to
   another version), then loads the newest version from a peer that holds it. A leaver whose requests do not all fit
-  drains instead.
+  drains instead. Then, within each version, groups queued on an instance beyond what its engine decodes at once
+  move to instances of that version with room (an instance that just switched takes the newest version's backlog).
 
-A strategy is asked once per `Orchestrator.decide`, before free rows are filled: it is the orchestrator's periodic
-firing, and with it the firing after every publish and on KV pressure (both end in the next `decide`).
+A strategy is asked once per `Orchestrator.decide`: `plan` before idle instances get their version, `rebalance`
+after, both before free rows are filled. That is the orchestrator's periodic firing, and with it the firing after
+every publish and on KV pressure (both end in the next `decide`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class Switching(Protocol):
     def plan(self, orch, capacity: int) -> list:
         """Retargets (`Load`) and migrations (`Migrate`) for now, applied to the orchestrator `orch` as returned."""
 
+    def rebalance(self, orch) -> list:
+        """Migrations within each version, once idle instances have been given their version."""
+
 
 class Drain:
     name, versions_per_instance = "drain", 1
@@ -33,8 +38,11 @@ class Drain:
     def plan(self, orch, capacity):
         return []
 
+    def rebalance(self, orch):
+        return []
 
-class Queue:
+
+class Queue(Drain):
     name, versions_per_instance = "queue", 2
 
     def plan(self, orch, capacity):
@@ -74,6 +82,12 @@ class Migrate:
                     actions += [orch.migrate(group_id, leaver, target) for group_id, target in moves]
         return actions
 
+    def rebalance(self, orch):
+        actions = []
+        for version in sorted({i.version for i in orch.instances.values() if i.version is not None}):
+            actions += balance(orch, [i for i in orch.ordered_instances() if i.version == version])
+        return actions
+
 
 def proportional_shares(remaining: dict[int, int], instances: int) -> dict[int, int]:
     """DP_v = round(N * R_v / sum R): largest remainders, and at least one instance for every version with remaining
@@ -111,6 +125,26 @@ def place(orch, leaver, stayers) -> list[tuple[int, object]] | None:
         kv[target.address] -= tokens
         moves.append((group_id, target))
     return moves
+
+
+def balance(orch, serving: list) -> list:
+    """Within one version: groups queued on an instance beyond what its engine decodes at once move to instances of
+    that version whose batch has room (an instance that just switched, or one whose requests ended), those holding
+    the fewest KV tokens first (a group still queued holds none yet, so it moves for free)."""
+    actions = []
+    receivers = [i for i in serving if orch.free_batch_rows(i) >= orch.group_size]
+    for donor in sorted(serving, key=lambda i: -orch.queued_rows(i)):
+        for group_id in sorted(donor.running, key=lambda g: (orch.tokens.get(g, 0), g)):
+            if orch.queued_rows(donor) < orch.rows_of(group_id) or not receivers:
+                break
+            fits = [r for r in receivers if r is not donor and orch.free_batch_rows(r) >= orch.rows_of(group_id)
+                    and orch.free_kv(r) >= orch.tokens.get(group_id, 0)]
+            if not fits:
+                continue
+            target = max(fits, key=lambda r: (orch.free_batch_rows(r), r.address))
+            actions.append(orch.migrate(group_id, donor, target))
+            receivers = [r for r in receivers if orch.free_batch_rows(r) >= orch.group_size]
+    return actions
 
 
 STRATEGIES = {s.name: s for s in (Drain, Queue, Migrate)}

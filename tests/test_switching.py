@@ -177,3 +177,16 @@ def test_shares_are_proportional_and_every_version_with_work_keeps_an_instance()
     assert proportional_shares({0: 1, 1: 1000}, 4) == {0: 1, 1: 3}
     assert proportional_shares({0: 0, 1: 5}, 3) == {1: 3}
     assert sum(proportional_shares({0: 7, 1: 5, 2: 11}, 6).values()) == 6
+
+
+def test_groups_queued_beyond_an_engines_batch_move_to_an_instance_of_their_version_with_room():
+    orch = Orchestrator(rollout_batch_size=8, group_budget=100, switching=Migrating(), group_size=2)
+    orch.add_instance("a", 3, batch_rows=2)  # a takes 3 groups, its engine decodes one at a time
+    starts = [a for a in orch.decide(capacity=3) if isinstance(a, Start)]
+    assert [s.instance for s in starts] == ["a", "a", "a"]
+    orch.on_progress(0, 500)  # group 0 is decoding; 1 and 2 wait in a's queue
+    orch.add_instance("b", 3, batch_rows=2)
+    actions = orch.decide(capacity=0)
+    moved = [a for a in actions if isinstance(a, Migrate)]
+    assert moved == [Migrate(1, (0, 1), 0, "a", "b")]  # a queued group (no KV yet), and only one: b's batch is full
+    orch.validate()

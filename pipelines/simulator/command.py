@@ -70,7 +70,9 @@ def table(r: SimResult) -> str:
         ("step time", f"{r.step_s / 60:.2f} min"),
         ("tokens/s", f"{r.tokens_per_s:,.0f}"),
         ("non-overlapped rollout share", f"{r.non_overlapped_share:.1%} ({r.rollout_phase_s / 60:.2f} min a step)"),
-        ("rollout bubble", f"{r.rollout_bubble:.1%} (prefill {r.prefill_share:.1%}, weight loads {r.load_share:.1%})"),
+        ("rollout bubble", f"{r.rollout_bubble:.1%} (prefill {r.prefill_share:.1%}, weight loads {r.load_share:.1%}, "
+                           f"KV transfers {r.transfer_share:.1%})"),
+        ("migrations", f"{r.migrations} (steady state)"),
         ("trainer bubble", f"{r.trainer_bubble:.1%}"),
         ("staleness max / histogram", f"{r.staleness_max} / {dict(sorted(r.staleness_hist.items()))}"),
         ("C1 mixed-version trajectories", str(r.c1_mixed_trajectories)),

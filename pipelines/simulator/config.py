@@ -18,7 +18,7 @@ class SimConfig:
     train_batch_size: int = 512  # TBS of dora and partial, in groups: one version per step by default
     rollout_batch_size: int = 1024  # RBS of dora and partial: two steps' prompts, so each instance holds about
     #                                 twice the rows its engine runs and backfills ended rows from its own queue
-    switching: str = "drain"  # how instances leave an older version (pipelines.switching): drain | queue | migrate
+    switching: str = "migrate"  # how instances leave an older version (pipelines.switching): drain | queue | migrate
     max_rows: int = 256  # rows one engine decodes at once (vLLM 0.8's default max_num_seqs)
     trainer_gpus: int = 0  # disaggregated modes: 0 = the split rule (modes.balanced_split)
     steps: int = 8

@@ -121,6 +121,7 @@ class Simulation:
             self.sync(source)
             self.sync(target)
             target.submit(source.take(action.group_id), migrated=True)
+            self.record.migrations[0] += 1
             return
         engine = self.engines[action.instance]
         self.sync(engine)

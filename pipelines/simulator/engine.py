@@ -48,6 +48,7 @@ class Usage:
     prefill: float = 0.0
     load: float = 0.0
     paused: float = 0.0
+    transfer: float = 0.0  # receiving migrated requests' KV caches
 
 
 class Engine:
@@ -184,10 +185,11 @@ class Engine:
             self.context += held
             heapq.heappush(self.finish, (self.step + seq.target - seq.tokens, key))
             self._on_version(seq)
-        seconds = self.cost.chunked_prefill_s(tokens, rows, context) if tokens else 0.0
-        seconds += self.cost.kv_transfer_s(copied) if copied else 0.0
-        self.busy_until = self.t + seconds
-        self.usage.prefill += seconds
+        prefill = self.cost.chunked_prefill_s(tokens, rows, context) if tokens else 0.0
+        transfer = self.cost.kv_transfer_s(copied) if copied else 0.0
+        self.busy_until = self.t + prefill + transfer
+        self.usage.prefill += prefill
+        self.usage.transfer += transfer
 
     def _on_version(self, seq: Seq) -> None:
         if not seq.versions or seq.versions[-1][0] != self.version:
@@ -207,9 +209,8 @@ class Engine:
 
     # ---- changes from outside ---------------------------------------------------------------------------------------
     def submit(self, seqs: list[Seq], migrated: bool = False) -> None:
-        """Queue sequences (call `sync(now)` first); migrated ones go first, their caches copied, not prefilled."""
-        for seq in seqs:
-            seq.migrated = migrated
+        """Queue sequences (call `sync(now)` first); migrated ones go first, those that were running with their
+        caches copied, not prefilled (`take` marks them)."""
         if migrated:
             self.waiting.extendleft(reversed(seqs))
         else:
@@ -220,7 +221,9 @@ class Engine:
         """Hand over the unfinished sequences of `group` (request migration; call `sync(now)` first)."""
         keys = [k for k, s in self.running.items() if s.group == group]
         moved = [self._drop(k) for k in keys]
-        moved += [s for s in self.waiting if s.group == group]
+        for seq in moved:
+            seq.migrated = True  # its cache goes with it
+        moved += [s for s in self.waiting if s.group == group]  # queued: no cache, prefilled where it lands
         self.waiting = deque(s for s in self.waiting if s.group != group)
         self._refresh()
         return moved

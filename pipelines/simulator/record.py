@@ -32,6 +32,8 @@ class SimResult:
     non_overlapped_share: float
     prefill_share: float  # of rollout-instance time
     load_share: float
+    transfer_share: float  # of rollout-instance time: migrated requests' KV caches arriving
+    migrations: int
     staleness_max: int
     staleness_hist: dict[int, int]
     c1_mixed_trajectories: int
@@ -63,7 +65,8 @@ class Recorder:
         self.updates: list[Update] = []
         self.warmup = sim.cfg.warmup_steps * sim.cfg.prompts_per_step // sim.tbs
         self.window: list[float] = [0.0, 0.0]
-        self.usage0 = {name: (0.0, 0.0, 0.0, 0.0) for name in sim.engines}
+        self.usage0 = {name: (0.0,) * 5 for name in sim.engines}
+        self.migrations = [0, 0]  # in all, at the window's start
         self.usage1: dict[str, tuple] = {}
         self.incomplete_trained = 0
 
@@ -75,6 +78,7 @@ class Recorder:
         self.updates[-1].published = now
         if decision.update == self.warmup - 1:
             self.window[0] = now
+            self.migrations[1] = self.migrations[0]
             self.usage0 = self._usage()
         if decision.update == self.sim.updates - 1:
             self.window[1] = now
@@ -83,7 +87,8 @@ class Recorder:
     def _usage(self) -> dict[str, tuple]:
         for engine in self.sim.engines.values():
             self.sim.sync(engine)
-        return {n: (e.usage.decode, e.usage.prefill, e.usage.load, e.usage.paused) for n, e in self.sim.engines.items()}
+        return {n: (e.usage.decode, e.usage.prefill, e.usage.load, e.usage.paused, e.usage.transfer)
+                for n, e in self.sim.engines.items()}
 
     # ---- figures ----------------------------------------------------------------------------------------------------
     def result(self) -> SimResult:
@@ -106,7 +111,8 @@ class Recorder:
             step_s=span / len(steady) * cfg.prompts_per_step / sim.tbs, tokens_per_s=tokens / span,
             rollout_bubble=1 - sum(d[0] for d in diff) / engine_time, trainer_bubble=1 - training / span,
             non_overlapped_share=1 - training / span, prefill_share=sum(d[1] for d in diff) / engine_time,
-            load_share=sum(d[2] for d in diff) / engine_time, staleness_max=max(stale), staleness_hist=dict(stale),
+            load_share=sum(d[2] for d in diff) / engine_time, transfer_share=sum(d[4] for d in diff) / engine_time,
+            migrations=self.migrations[0] - self.migrations[1], staleness_max=max(stale), staleness_hist=dict(stale),
             c1_mixed_trajectories=mixed,
             c2_ok=len(consumed) == len(set(consumed)) == len(self.updates) * sim.tbs and not self.incomplete_trained,
             c3_ok=max(stale) <= K, predicted_step_s=sim.split.predicted_step_s, virtual_s=end,
