@@ -131,19 +131,25 @@ def balance(orch, serving: list) -> list:
     """Within one version: groups queued on an instance beyond what its engine decodes at once move to instances of
     that version whose batch has room (an instance that just switched, or one whose requests ended), those holding
     the fewest KV tokens first (a group still queued holds none yet, so it moves for free)."""
+    room = {i.address: orch.free_batch_rows(i) for i in serving}
+    kv = {i.address: orch.free_kv(i) for i in serving if room[i.address] >= orch.group_size}
+    if not kv:
+        return []
     actions = []
-    receivers = [i for i in serving if orch.free_batch_rows(i) >= orch.group_size]
-    for donor in sorted(serving, key=lambda i: -orch.queued_rows(i)):
+    for donor in serving:
+        queued = orch.queued_rows(donor)
         for group_id in sorted(donor.running, key=lambda g: (orch.tokens.get(g, 0), g)):
-            if orch.queued_rows(donor) < orch.rows_of(group_id) or not receivers:
+            rows, tokens = orch.rows_of(group_id), orch.tokens.get(group_id, 0)
+            if queued < rows or not kv:
                 break
-            fits = [r for r in receivers if r is not donor and orch.free_batch_rows(r) >= orch.rows_of(group_id)
-                    and orch.free_kv(r) >= orch.tokens.get(group_id, 0)]
+            fits = [a for a in kv if a != donor.address and room[a] >= rows and kv[a] >= tokens]
             if not fits:
                 continue
-            target = max(fits, key=lambda r: (orch.free_batch_rows(r), r.address))
-            actions.append(orch.migrate(group_id, donor, target))
-            receivers = [r for r in receivers if orch.free_batch_rows(r) >= orch.group_size]
+            target = max(fits, key=lambda a: (room[a], a))
+            actions.append(orch.migrate(group_id, donor, orch.instances[target]))
+            queued, room[target], kv[target] = queued - rows, room[target] - rows, kv[target] - tokens
+            if room[target] < orch.group_size:
+                del kv[target]
     return actions
 
 

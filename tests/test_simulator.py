@@ -14,6 +14,7 @@ from pipelines.orchestrator import Orchestrator
 from pipelines.simulator import SimConfig, simulate
 from pipelines.simulator.core import Simulation
 from pipelines.simulator.engine import Engine, Seq
+from pipelines.simulator.modes import Split, searched_split
 
 COST = CostModel.named("H800", "qwen2.5-32b")  # tp 2, bandwidth efficiency 0.5, MFUs 0.5 / 0.5 / 0.25
 SMALL = dict(gpus=16, prompts_per_step=32, group_size=8, train_batch_size=32, rollout_batch_size=64, max_rows=64,
@@ -151,3 +152,25 @@ def test_cli_prints_json(capsys):
                  "--steps", "3", "--warmup-steps", "1", "--json", "emulation.response_p50=300"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "sync" and out["staleness_max"] == 0 and out["step_s"] > 0
+
+
+# ---- the searched split --------------------------------------------------------------------------------------------
+def test_searched_split_climbs_to_the_best_whole_instance_split():
+    asked = []
+
+    def tokens_per_s(trainer):  # one peak, at 40 trainer accelerators
+        asked.append(trainer)
+        return -abs(trainer - 40)
+
+    split = searched_split(128, 2, Split(58, 70, 0.0), tokens_per_s)
+    assert (split.rollout_gpus, split.trainer_gpus) == (88, 40)
+    assert all((128 - t) % 2 == 0 and 2 <= 128 - t < 128 for t in asked)
+
+
+def test_searched_split_is_at_least_the_rules_on_a_long_tail():
+    short = dict(SMALL, steps=4, warmup_steps=1)  # the search's own length: its runs are the ones compared
+    _, rule = run("dora", **short)
+    _, searched = run("dora", split="searched", **short)
+    assert searched.tokens_per_s >= rule.tokens_per_s
+    assert searched.rollout_gpus % COST.tp == 0 and searched.rollout_gpus + searched.trainer_gpus == SMALL["gpus"]
+    assert searched.trainer_gpus >= 1 and searched.c2_ok and searched.c3_ok

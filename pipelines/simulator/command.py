@@ -7,6 +7,7 @@ Without a config file the workload is the paper's step (512 prompts x 16 samples
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -31,14 +32,26 @@ def add_arguments(p) -> None:
     p.add_argument("--rbs", type=int, help="groups kept in flight by dora and partial (default 2 x TBS)")
     p.add_argument("--prompts-per-step", type=int, help="prompts of a step (default 512)")
     p.add_argument("--group-size", type=int, help="samples per prompt (default 16)")
-    p.add_argument("--trainer-gpus", type=int, help="disaggregated modes: trainer accelerators (default: the split "
-                   "rule, the best predicted step time)")
+    p.add_argument("--trainer-gpus", type=trainer_gpus, metavar="N|rule|search",
+                   help="disaggregated modes: trainer accelerators, or how they are chosen: rule (default), the best "
+                   "predicted step time; search, the best tokens/s of short simulations around the rule's split")
     p.add_argument("--steps", type=int, help="steps to simulate (default 8)")
     p.add_argument("--warmup-steps", type=int, help="steps left out of the figures (default 2)")
     p.add_argument("--switching", choices=("drain", "queue", "migrate"), help="how instances leave old versions")
     p.add_argument("--max-rows", type=int, help="rows one engine decodes at once (default 256)")
     p.add_argument("--decision-interval", type=float, help="seconds between orchestrator turns (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def trainer_gpus(text: str) -> int | str:
+    """--trainer-gpus: a count, or the name of a split (`SimConfig.split`)."""
+    names = {"rule": "rule", "search": "searched"}
+    if text in names:
+        return names[text]
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, rule or search; got {text!r}") from None
 
 
 def settings(args, load_config):
@@ -55,6 +68,8 @@ def settings(args, load_config):
                   "group_size": cfg.rollout.group_size, "trainer_gpus": cfg.emulation.trainer_gpus}
     flags = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
     values.update(flags)
+    if isinstance(values.get("trainer_gpus"), str):  # a named split: the simulator chooses the count
+        values["split"], values["trainer_gpus"] = values["trainer_gpus"], 0
     if "train_batch_size" not in values and "prompts_per_step" in values:
         values["train_batch_size"] = values["prompts_per_step"]
     if "rollout_batch_size" not in values:

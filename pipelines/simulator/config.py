@@ -20,7 +20,8 @@ class SimConfig:
     #                                 twice the rows its engine runs and backfills ended rows from its own queue
     switching: str = "migrate"  # how instances leave an older version (pipelines.switching): drain | queue | migrate
     max_rows: int = 256  # rows one engine decodes at once (vLLM 0.8's default max_num_seqs)
-    trainer_gpus: int = 0  # disaggregated modes: 0 = the split rule (modes.balanced_split)
+    trainer_gpus: int = 0  # disaggregated modes: trainer accelerators, 0 = chosen by `split`
+    split: str = "rule"  # how trainer_gpus=0 is chosen (pipelines.simulator.modes): rule | searched
     steps: int = 8
     warmup_steps: int = 2  # left out of the steady-state figures
     decision_interval_s: float = 1.0  # the orchestrator and gate decide at most this often (0: at every event)
@@ -41,6 +42,9 @@ class SimConfig:
                 f"must divide prompts_per_step ({self.prompts_per_step}), got {self.train_batch_size}")
         require(0 <= self.warmup_steps < self.steps, "warmup_steps", f"must be in [0, steps), got {self.warmup_steps}")
         require(0 <= self.trainer_gpus < self.gpus, "trainer_gpus", f"must be in [0, gpus), got {self.trainer_gpus}")
+        require(self.split in ("rule", "searched"), "split", f"allowed: rule, searched; got {self.split!r}")
+        require(self.split == "rule" or self.trainer_gpus == 0, "split",
+                f"searched chooses trainer_gpus itself; got trainer_gpus={self.trainer_gpus}")
         require(self.switching in ("drain", "queue", "migrate"), "switching",
                 f"allowed: drain, queue, migrate; got {self.switching!r}")
         require(self.decision_interval_s >= 0, "decision_interval_s", "must be >= 0")

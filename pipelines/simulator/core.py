@@ -12,6 +12,7 @@ trainer's accelerators are the rollout accelerators, so they hold each version a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dora_tasks.emulation.lengths import LengthModel
@@ -19,7 +20,7 @@ from pipelines.gate import BatchDecision, VersionGate
 from pipelines.orchestrator import Load, Migrate, Orchestrator, Start
 from pipelines.simulator.config import SimConfig, SimulatorError
 from pipelines.simulator.engine import Engine, Seq
-from pipelines.simulator.modes import StepStats, mode_named
+from pipelines.simulator.modes import SEARCH_STEPS, StepStats, mode_named
 from pipelines.simulator.record import Recorder
 from pipelines.switching import switching_named
 
@@ -33,12 +34,22 @@ def step_stats(lengths: LengthModel, prompts: int, group_size: int) -> StepStats
                      tuple(lengths.response_tokens(p, s) for p, s in ids))
 
 
+def short_run(cfg: SimConfig, cost, lengths: LengthModel):
+    """tokens/s of `cfg` on a given trainer size over `SEARCH_STEPS` steady steps: what the searched split compares."""
+    def tokens_per_s(trainer_gpus: int) -> float:
+        short = dataclasses.replace(cfg, trainer_gpus=trainer_gpus, split="rule", check=False,
+                                    steps=min(cfg.steps, cfg.warmup_steps + SEARCH_STEPS))
+        return Simulation(short, cost, lengths).run().result().tokens_per_s
+    return tokens_per_s
+
+
 class Simulation:
     def __init__(self, cfg: SimConfig, cost, lengths: LengthModel):
         self.cfg, self.cost, self.lengths = cfg.validate(), cost, lengths
         self.mode = mode_named(cfg.mode, cfg.max_staleness)
         self.tbs, rbs = self.mode.batches(cfg)
-        self.split = self.mode.split(cfg, cost, step_stats(lengths, cfg.prompts_per_step, cfg.group_size))
+        self.split = self.mode.split(cfg, cost, step_stats(lengths, cfg.prompts_per_step, cfg.group_size),
+                                     short_run(cfg, cost, lengths))
         instances = self.split.rollout_gpus // cost.tp
         if instances < 1:
             raise SimulatorError(f"no rollout instance: {self.split.rollout_gpus} accelerators, tp {cost.tp}")

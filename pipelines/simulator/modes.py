@@ -20,6 +20,16 @@ its 8,192 sequences. `SimConfig.train_batch_size` may be set smaller (a version 
   old work; slime and Kimi set no bound, and AReaL finds 4-8 harmless.
 * `dora` (K given, disaggregated, RBS > TBS): the orchestrator's proportional instance assignment as it is, without
   request migration.
+
+The split of a disaggregated mode (`SimConfig.trainer_gpus` unless set, by `SimConfig.split`):
+
+* `rule` (`balanced_split`): the split whose predicted step time, max(rollout at the steady token rate, training), is
+  best. It sees no long tail, so it gives the trainer more than the tail leaves it time to use.
+* `searched` (`searched_split`): a hill climb over rollout sides of whole instances, from the rule's split, that keeps
+  the split whose short simulation (the same configuration, `SEARCH_STEPS` steady steps) has the best tokens/s. The
+  climb moves by an eighth of the accelerators, then halves its stride down to one instance, moving to the better
+  neighbour while there is one. It is computed from the simulator itself, with nothing fitted to any measurement.
+  It costs some ten short simulations, so `rule` stays the default.
 """
 from __future__ import annotations
 
@@ -79,6 +89,30 @@ def balanced_split(gpus: int, cost, stats: StepStats, max_rows: int) -> Split:
     return best
 
 
+SEARCH_STEPS = 3  # steady steps of each simulation the search compares
+
+
+def searched_split(gpus: int, tp: int, start: Split, tokens_per_s) -> Split:
+    """The split with the best `tokens_per_s(trainer_gpus)` found by a hill climb from `start` over rollout sides of
+    whole instances (multiples of `tp`, leaving the trainer at least one accelerator)."""
+    scores: dict[int, float] = {}
+
+    def score(rollout: int) -> float:
+        if rollout not in scores:
+            scores[rollout] = tokens_per_s(gpus - rollout)
+        return scores[rollout]
+
+    best, stride = start.rollout_gpus, tp * max(1, gpus // (8 * tp))
+    while True:
+        better = [r for r in (best - stride, best + stride) if tp <= r < gpus and score(r) > score(best)]
+        if better:
+            best = max(better, key=score)
+        elif stride == tp:
+            return Split(best, gpus - best, 0.0)
+        else:
+            stride = max(tp, stride // (2 * tp) * tp)
+
+
 class Mode:
     name = ""
     colocated = False
@@ -88,12 +122,14 @@ class Mode:
         """(TBS, RBS) in groups."""
         return cfg.prompts_per_step, cfg.prompts_per_step
 
-    def split(self, cfg, cost, stats: StepStats) -> Split:
+    def split(self, cfg, cost, stats: StepStats, tokens_per_s) -> Split:
+        """`tokens_per_s(trainer_gpus)`: a short simulation of this configuration, for the searched split."""
         if self.colocated:
             return Split(cfg.gpus, cfg.gpus, 0.0)
         if cfg.trainer_gpus:
             return Split(cfg.gpus - cfg.trainer_gpus, cfg.trainer_gpus, 0.0)
-        return balanced_split(cfg.gpus, cost, stats, cfg.max_rows)
+        rule = balanced_split(cfg.gpus, cost, stats, cfg.max_rows)
+        return rule if cfg.split == "rule" else searched_split(cfg.gpus, cost.tp, rule, tokens_per_s)
 
     def capacity(self, sim: "Simulation") -> int:
         """New groups the orchestrator may dispatch now."""
