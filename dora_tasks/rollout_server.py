@@ -23,17 +23,26 @@ cache keeps that cheap). A response ends at its first eos (kept) or when ``max_n
   in the same steps, which keeps the batch full under long-tailed lengths.
 * ``0``, static batches: the chunk is the whole response budget, so every response ends in the batch's first chunk
   and nobody joins it midway; requests that arrive meanwhile wait until its longest response ends.
+
+Hand-over (DORA's request migration): one response, not a whole group, is what an instance can give away. At the next
+chunk boundary `hand_over` takes running responses out of the batch as `Continuation`s (`dora_tasks.core.handover`);
+the request that owned one is answered with it in place of that sample's `Generation`. `resume` makes a continuation
+join another server's batch of the same version: on the transformers engine its KV cache is inserted (no re-prefill),
+otherwise (`ReencodingSession`) prompt and response so far are re-encoded and that cost is measured. With
+``row_streams`` every response samples from its own random stream, so a handed-over response continues with exactly
+the tokens it would have drawn at home.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
+from dora_tasks.core.handover import Continuation, MigrationCost, Resumed, RowState, check_version
 from dora_tasks.core.records import Generation
 from dora_tasks.version_policy import DispatchVersion, VersionPolicy
 
@@ -47,9 +56,28 @@ class _Request:
     prompt_ids: list[int]
     n: int
     seed: int
+    request_id: Hashable = None
+    arrival: Continuation | None = None  # a response handed over by another instance (`resume`), n == 1
+    rows: list[_Partial] = field(default_factory=list)  # its responses, once it joined a batch
     done: threading.Event = field(default_factory=threading.Event)
-    result: list[Generation] | None = None
+    result: list[Generation | Continuation] | None = None
     error: BaseException | None = None
+
+
+@dataclass
+class _HandOver:
+    """An order to give away running responses at the next chunk boundary: `count` of them (fewest tokens first:
+    the cheapest to move, the most budget left), or every one of the requests named."""
+
+    count: int | None
+    requests: frozenset | None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[Continuation] = field(default_factory=list)
+
+    def choose(self, running: list[tuple[_Request, _Partial]]) -> list[tuple[_Request, _Partial]]:
+        if self.requests is not None:
+            return [(r, s) for r, s in running if r.request_id in self.requests]
+        return sorted(running, key=lambda rs: len(rs[1].tokens))[:self.count]
 
 
 @dataclass
@@ -64,18 +92,25 @@ class BusyLog:
 
 class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], policy: VersionPolicy | None = None,
-                 chunk_tokens: int = 0, *, keep_kv_cache: bool = True):
+                 chunk_tokens: int = 0, *, keep_kv_cache: bool = True, row_streams: bool = False):
         """`policy`: which version a batch runs on and who joins it (default `DispatchVersion`, DORA's).
         `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches, one chunk of
         the whole response budget).
         `keep_kv_cache`: on an engine with `open_session`, running rows keep their KV cache between chunks instead
-        of being re-encoded."""
+        of being re-encoded.
+        `row_streams`: on a session engine, each response samples from its own random stream, seeded by its
+        request's seed and sample index, so that a handed-over response continues exactly as it would have at
+        home; off, the rows of a chunk draw from one stream seeded per chunk (a handed-over response then continues
+        from the receiver's stream: the same distribution, other tokens)."""
         self._make_engine = make_engine
         self._policy = policy if policy is not None else DispatchVersion()
         self._chunk = chunk_tokens
         self._keep_kv_cache = keep_kv_cache
+        self._row_streams = row_streams
         self._engine: RolloutEngine | None = None
         self._waiting: list[_Request] = []
+        self._orders: list[_HandOver] = []
+        self._serving = False  # a batch is being generated (hand-over orders are answered at its chunk boundaries)
         self._cond = threading.Condition()
         self._closed = False
         self.busy = BusyLog()
@@ -87,8 +122,40 @@ class RolloutServer:
     def version(self) -> int:
         return -1 if self._engine is None else self._engine.version
 
-    def generate(self, version: int, weights_path: str, prompt_ids: list[int], n: int, seed: int) -> list[Generation]:
-        request = _Request(version, weights_path, list(prompt_ids), n, seed)
+    def generate(self, version: int, weights_path: str, prompt_ids: list[int], n: int, seed: int, *,
+                 request_id: Hashable = None) -> list[Generation | Continuation]:
+        """`n` responses to one prompt with `version`. A response handed over meanwhile (`hand_over`) is answered
+        by its `Continuation` in place of its `Generation`; `request_id` names the request in it."""
+        request = _Request(version, weights_path, list(prompt_ids), n, seed, request_id)
+        return self._answer(request)
+
+    def resume(self, continuation: Continuation, weights_path: str) -> Resumed:
+        """Continue a response another instance handed over: it joins this server's batch of its version, adopted
+        with its KV cache where the engine keeps one (re-encoded otherwise), and is answered when it ends (or with a
+        new continuation if handed over again). Raises `VersionMismatch` when this server holds another version
+        (C1); `weights_path` is that version's, should the server have to load it again before the row joins."""
+        self._check_resumable(continuation)
+        request = _Request(continuation.version, weights_path, continuation.prompt_ids.tolist(), 1, continuation.seed,
+                           continuation.request_id, arrival=continuation)
+        (outcome,) = self._answer(request)
+        return Resumed(outcome, request.rows[0].migration)
+
+    def hand_over(self, count: int | None = None, *, requests: Iterable[Hashable] | None = None
+                  ) -> list[Continuation]:
+        """At the next chunk boundary, take running responses out of the batch and return them as continuations:
+        `count` of them (fewest tokens so far first), or every running response of `requests` (request ids).
+        Their requests are answered with the same continuations. Nothing runs: []."""
+        if (count is None) == (requests is None):
+            raise ValueError("hand_over: give either a count or request ids")
+        order = _HandOver(count, None if requests is None else frozenset(requests))
+        with self._cond:
+            if not self._serving:
+                return []
+            self._orders.append(order)
+        order.done.wait()
+        return order.result
+
+    def _answer(self, request: _Request) -> list[Generation | Continuation]:
         with self._cond:
             self._waiting.append(request)
             self._cond.notify_all()
@@ -96,6 +163,16 @@ class RolloutServer:
         if request.error is not None:
             raise request.error
         return request.result
+
+    def _check_resumable(self, continuation: Continuation) -> None:
+        engine = self._engine
+        if engine is None:
+            return  # not started: it will load the continuation's version
+        check_version(engine.version, continuation)
+        if engine.max_new_tokens != continuation.max_new_tokens:
+            raise ValueError(f"continuation of request {continuation.request_id!r} has a budget of "
+                             f"{continuation.max_new_tokens} tokens, this server's responses "
+                             f"{engine.max_new_tokens}")
 
     def reload(self, weights_path: str) -> None:
         """Load the current version's weights again (warm-up of the load path). Only while the server is idle."""
@@ -120,6 +197,7 @@ class RolloutServer:
                 if self._closed:
                     return
                 batch = self._take_batch()
+                self._serving = True
             try:
                 self._serve(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting task, which re-raises it
@@ -127,6 +205,16 @@ class RolloutServer:
                     if not r.done.is_set():
                         r.error = exc
                         r.done.set()
+            finally:
+                self._stop_serving()
+
+    def _stop_serving(self) -> None:
+        """The batch ended: hand-over orders still open find nothing running."""
+        with self._cond:
+            self._serving = False
+            orders, self._orders = self._orders, []
+        for order in orders:
+            order.done.set()
 
     def _take_batch(self) -> list[_Request]:
         """The waiting requests that join a batch of the loaded version, or, if none of that version waits, of the
@@ -166,7 +254,7 @@ class RolloutServer:
         chunk_index = 0
         try:
             while pending or active:
-                fresh = [(r, [_Partial(r.prompt_ids) for _ in range(r.n)]) for r in pending]
+                fresh = [(r, self._rows_of(r)) for r in pending]
                 active += fresh
                 pending = []
                 engine = self._load_for([r for r, _ in active])
@@ -176,24 +264,51 @@ class RolloutServer:
                 if live:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
+                self._give_away(session, active, budget)
                 active, pending = self._end_turn(active, budget)
         except BaseException as exc:
             _fail([r for r, _ in active] + pending, exc)
             raise
 
+    def _rows_of(self, request: _Request) -> list[_Partial]:
+        """The responses of a request joining the batch: its `n` samples, or the one response it continues."""
+        if request.arrival is not None:
+            request.rows = [_Partial.continuing(request.arrival)]
+        else:
+            request.rows = [_Partial(request.prompt_ids, i, self._row_stream(request.seed, i)) for i in range(request.n)]
+        return request.rows
+
+    def _row_stream(self, seed: int, sample_index: int) -> int | None:
+        """The seed of a response's own random stream (`row_streams`), None without."""
+        if not self._row_streams:
+            return None
+        return int(np.random.SeedSequence([seed % 2**64, sample_index]).generate_state(1)[0])
+
     def _rows_in_session(self, session: DecodeSession | None, engine: RolloutEngine, live: dict,
                          fresh: list) -> DecodeSession:
         """The session to decode the live rows in: the same one with the fresh rows added, or, on another version,
-        a new one with every live row re-encoded."""
+        a new one with every live row re-encoded (keeping its own random stream)."""
         if session is None or session.version != engine.version:
-            session = self._open_session(engine)
+            old, session = session, self._open_session(engine)
             for key, s in live.items():
-                session.add(key, s.prompt_ids + s.tokens)
+                kept = old.sampler_state(key) if old is not None else None
+                s.stream = kept if kept is not None else s.stream
+                _place(session, key, s)
             return session
         for _, states in fresh:
             for s in states:
-                session.add(id(s), s.prompt_ids)
+                _place(session, id(s), s)
         return session
+
+    def _give_away(self, session: DecodeSession, active: list, budget: int) -> None:
+        """Answer the hand-over orders that arrived during the chunk: the running responses they choose leave the
+        session as continuations (their requests are answered with them by `_end_turn`)."""
+        with self._cond:
+            orders, self._orders = self._orders, []
+        for order in orders:
+            running = [(r, s) for r, states in active for s in states if not s.done(budget)]
+            order.result = [_hand_over_row(session, r, s, budget) for r, s in order.choose(running)]
+            order.done.set()
 
     def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
         """One chunk of every live response: `chunk_tokens`, or the rest of its budget (0: static batches)."""
@@ -241,8 +356,29 @@ class ReencodingSession:
         self.engine, self.version = engine, engine.version
         self.rows: dict = {}
 
-    def add(self, key, token_ids) -> None:
+    def add(self, key, token_ids, stream=None) -> None:
+        """`stream` is ignored: `generate` draws from one stream per call."""
         self.rows[key] = list(token_ids)
+
+    def sampler_state(self, key) -> None:
+        return None
+
+    def export(self, key) -> RowState:
+        """Take a row out; no cache travels (the receiver re-encodes it)."""
+        self.rows.pop(key, None)
+        return RowState(self.version, None, None)
+
+    def adopt(self, key, continuation: Continuation) -> MigrationCost:
+        """Take in a row another instance of this version handed over by re-encoding its prompt and response so far
+        (the re-prefill), timed: one `generate` call of one token, which on vLLM also leaves the row's blocks in the
+        prefix cache for the next chunk."""
+        check_version(self.version, continuation)
+        ids = continuation.ids
+        start = time.perf_counter()
+        self.engine.generate([ids], 1, continuation.seed, max_new_tokens=1)
+        seconds = time.perf_counter() - start
+        self.rows[key] = ids
+        return MigrationCost.of(continuation, len(ids), seconds)
 
     def decode(self, steps: dict, seed: int) -> dict:
         keys = list(steps)  # one call: the longest step; a row with less room keeps what fits (`_Partial.extend`)
@@ -261,11 +397,35 @@ def _hand_back_finished(active: list[tuple[_Request, list[_Partial]]], budget: i
     still = []
     for request, states in active:
         if all(s.done(budget) for s in states):
-            request.result = [s.to_generation() for s in states]
+            request.result = [s.outcome() for s in states]
             request.done.set()
         else:
             still.append((request, states))
     return still
+
+
+def _place(session: DecodeSession, key, s: _Partial) -> None:
+    """Put a response into the session: one handed over by another instance is adopted when the session serves its
+    version; any other (or one arriving after a version change, `PartialRollout`) is encoded from its prompt and
+    tokens so far."""
+    arrival, s.arrival = s.arrival, None
+    if arrival is not None and arrival.version == session.version:
+        s.migration = session.adopt(key, arrival)
+        return
+    session.add(key, s.prompt_ids + s.tokens, stream=s.stream)
+    if arrival is not None:
+        s.migration = MigrationCost.of(arrival, len(s.prompt_ids) + len(s.tokens), float("nan"))
+
+
+def _hand_over_row(session: DecodeSession, request: _Request, s: _Partial, budget: int) -> Continuation:
+    """Take a running response out of the session as a continuation (it is done here from now on)."""
+    row = session.export(id(s))
+    s.handed_over = Continuation(
+        version=session.version, request_id=request.request_id, sample_index=s.sample_index, seed=request.seed,
+        prompt_ids=np.array(s.prompt_ids, np.int32), token_ids=np.array(s.tokens, np.int32),
+        logprobs=np.array(s.logprobs, np.float32), versions=np.array(s.versions, np.int32), max_new_tokens=budget,
+        row=row, handed_over_at=time.time())
+    return s.handed_over
 
 
 def _fail(requests: list[_Request], exc: BaseException) -> None:
@@ -279,13 +439,26 @@ class _Partial:
     """One response grown chunk by chunk (under one version, or several in the partial-rollout baseline)."""
 
     prompt_ids: list[int]
+    sample_index: int = 0
+    stream: int | bytes | None = None  # its own random stream to start from: a seed or a saved state (`row_streams`)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False  # ended with eos
+    arrival: Continuation | None = None  # handed over by another instance, until it is placed in the session
+    migration: MigrationCost | None = None  # what taking it over from another instance cost
+    handed_over: Continuation | None = None  # given away to another instance: done here
+
+    @classmethod
+    def continuing(cls, c: Continuation) -> _Partial:
+        return cls(c.prompt_ids.tolist(), c.sample_index, c.row.sampler, c.token_ids.tolist(), c.logprobs.tolist(),
+                   c.versions.tolist(), arrival=c)
 
     def done(self, budget: int) -> bool:
-        return self.finished or len(self.tokens) >= budget
+        return self.finished or self.handed_over is not None or len(self.tokens) >= budget
+
+    def outcome(self) -> Generation | Continuation:
+        return self.handed_over if self.handed_over is not None else self.to_generation()
 
     def extend(self, g: Generation, room: int) -> None:
         """Append a chunk's tokens (cut at its eos by the engine), at most `room` of them."""

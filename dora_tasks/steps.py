@@ -39,7 +39,9 @@ def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, grou
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_path: str):
     from dora_tasks.emulation.task import SyntheticTokenizer, is_emulated_model
+    from storage.objectstore import local_folder
 
+    model_path = local_folder(model_path)  # on an object store: a copy in this worker's cache
     if is_emulated_model(model_path):  # task.name=emulated: no tokenizer, responses are synthetic
         return SyntheticTokenizer()
     from dora_tasks.model import load_tokenizer
@@ -93,7 +95,8 @@ class StalenessViolation(RuntimeError):
     pass
 
 
-def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions: bool, *groups: Group) -> TrainBatch:
+def gate(update: int, max_staleness: int, group_size: int, allow_mixed_versions: bool,
+         groups: list[Group]) -> TrainBatch:
     """Pass the batch to update `update` only if it keeps C1, C2 and C3; raise otherwise (nothing is trained)."""
     for g in groups:
         if not 0 <= update - g.version <= max_staleness:
@@ -146,16 +149,20 @@ def publish(engine, weight_store: str, clock: Clock = Clock()) -> PublishedWeigh
 
 def save_trainer_checkpoint(folder: str) -> str:
     from dora_tasks.plugins import trainer_plugin
+    from storage.objectstore import staged
 
-    trainer_plugin().held_engine().save_checkpoint(folder)
+    with staged(folder) as local:  # on an object store: written locally, then uploaded
+        trainer_plugin().held_engine().save_checkpoint(local)
     return folder
 
 
 def load_trainer_checkpoint(folder: str, version: int) -> int:
     from dora_tasks.plugins import trainer_plugin
+    from storage.objectstore import fetched
 
     engine = trainer_plugin().get_engine(version)
-    engine.load_checkpoint(folder)
+    with fetched(folder) as local:  # on an object store: a temporary local copy
+        engine.load_checkpoint(local)
     return engine.version
 
 
@@ -163,9 +170,11 @@ def restore_trainer(version: int, checkpoint_folder: str | None) -> TrainerResto
     """A restarted trainer: a new engine on the published weights of `version`, with the optimizer state of the
     checkpoint in `checkpoint_folder` when there is one and the backend can take it alone (else a fresh one)."""
     from dora_tasks.plugins import trainer_plugin
+    from storage.objectstore import fetched
 
     engine = trainer_plugin().start_engine(version)
-    taken = bool(checkpoint_folder) and engine.load_optimizer_state(checkpoint_folder)
+    with fetched(checkpoint_folder) as local:  # on an object store: a temporary local copy
+        taken = bool(local) and engine.load_optimizer_state(local)
     return TrainerRestore(get_worker().address, engine.version, optimizer_from=checkpoint_folder if taken else "")
 
 
@@ -202,7 +211,9 @@ def evaluate(weights_path: str, prompts: list[Prompt], model_path: str, reward_f
     """Greedy held-out accuracy of a published version (the tokenizer comes from the initial model folder), its
     rewards under the same timeout and isolation as the run's; of an emulated model, the synthetic accuracy."""
     from dora_tasks.emulation.task import is_emulated_model, synthetic_accuracy
+    from storage.objectstore import local_folder
 
+    weights_path = local_folder(weights_path)  # on an object store: a copy in this worker's cache
     if is_emulated_model(weights_path):
         return synthetic_accuracy(prompts, _reward_fn(reward_fn))
     from dora_tasks.warmstart import evaluate as evaluate_policy

@@ -78,6 +78,7 @@ class InFlight:
 class QueuedUpdate:
     decision: BatchDecision
     ready: float  # when the gate handed the batch over
+    batch: Future  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
     checked: Future  # gate(u)
     updated: Future  # update(u), which publishes version u + 1
 
@@ -324,15 +325,26 @@ class Driver(TrainerRecovery):
         u, c = decision.update, self.cfg
         restarts = self.counters["trainer_restarts"]
         suffix = (restarts,) if restarts else ()  # the key of a cancelled task is never reused
-        groups = [self.complete[g] for g in decision.group_ids]
+        batch = self.send_to_trainer([self.complete[g] for g in decision.group_ids])
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
-                                     c.rollout.partial_rollout, *groups, key=("gate", u) + suffix, resources=CPU,
+                                     c.rollout.partial_rollout, batch, key=("gate", u) + suffix, resources=CPU,
                                      pure=False)
         updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u) + suffix,
                                      resources=TRAINER, pure=False)
-        self.updates.append(QueuedUpdate(decision, self.clock.now(), checked, updated))
+        self.updates.append(QueuedUpdate(decision, self.clock.now(), batch, checked, updated))
         self.track(updated, UpdateTask(u))
         self.emit(UpdateSubmitted(u, tuple(decision.group_ids), self.clock.now()))
+
+    def send_to_trainer(self, groups: list[Group]) -> Future:
+        """The batch goes from the driver straight to the trainer's worker, not through the scheduler inside a task
+        (a paper-scale batch is hundreds of MB); the gate's worker fetches it from there. Lost with the trainer, it
+        is sent again by `recover_trainer`."""
+        try:
+            [batch] = self.client.scatter([groups], workers=[self.trainer], direct=True, hash=False)
+        except (OSError, ValueError) as exc:  # the trainer left (ValueError: no such worker any more)
+            self.recover_trainer(f"a batch could not reach it: {type(exc).__name__}")
+            return self.send_to_trainer(groups)
+        return batch
 
     def on_published(self, task: UpdateTask, result: UpdateResult) -> None:
         """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator),

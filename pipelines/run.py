@@ -37,6 +37,7 @@ from pipelines.metrics import summary as timing_summary
 from pipelines.orchestrator import Orchestrator
 from pipelines.switching import switching_named
 from pipelines.tracking import Tracker
+from storage import objectstore
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
@@ -287,13 +288,13 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
     if resume_dir:
         cfg = _resolve_for_resume(resume_dir, overrides or [])
         cfg.storage.run_dir = resume_dir
-    checkpoints = CheckpointStore(os.path.join(cfg.storage.run_dir, "checkpoints"))
+    checkpoints = CheckpointStore(cfg.storage.resolved("checkpoint_store"))
     check_reward_fn(cfg.task.reward_fn)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
     train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed, cfg.emulation)
     check_engines(cfg, cfg.model.path or None, train_prompts)  # before any cluster starts
     ckpt = _checkpoint_to_resume(checkpoints) if resume_dir else None
-    if not resume_dir and os.path.exists(cfg.storage.resolved("trajectory_store")):
+    if not resume_dir and objectstore.exists(cfg.storage.resolved("trajectory_store")):
         raise RunFolderError(f"storage.run_dir {cfg.storage.run_dir!r} already holds a run; resume it with "
                              f"`dora resume {cfg.storage.run_dir}` or choose another storage.run_dir")
     stack = contextlib.ExitStack()
@@ -312,6 +313,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
             gate, orch, store = _fresh_state(cfg, overwrite=bool(resume_dir))
         stack.callback(store.close)
         publish_initial(weights, model_path)
+        model_path = weights.share_initial(model_path, overwrite=not resume_dir)  # on an object store: a copy there
         clock = cfg.clock(origin=time.time())
         register_plugins(client, cfg, weights.root, model_path, clock)
         print(f"dora: Dask dashboard {client.dashboard_link}", flush=True)

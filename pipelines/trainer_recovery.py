@@ -37,7 +37,7 @@ class TrainerRecovery:
         log.warning("trainer lost (%s); restoring it at version %d", why, self.gate.newest)
         queued = list(self.updates)
         self.updates.clear()
-        lost = [f for q in queued for f in (q.checked, q.updated)]
+        lost = [f for q in queued for f in (q.batch, q.checked, q.updated)]
         self.untrack(lost)
         self.client.cancel(lost)
         self.retain_weights(drop_unseen=True)

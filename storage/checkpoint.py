@@ -6,8 +6,12 @@ sub-folder per entry of `files` (trainer weights, optimizer state: each callable
 `COMPLETE` marker written last. The whole folder is built under a temp name and renamed into place, with fsync, so a
 killed run leaves either a whole checkpoint or none; a folder without `COMPLETE` (damaged, copied half-way) is skipped.
 
-Simplified, and why: local folders only (checkpoints are written and read by the driver's machine; the weight store is
-the one that must be shared). numpy scalars and arrays in `state` are converted to JSON numbers and lists.
+On an object store (an fsspec URL such as s3://bucket/run/checkpoints) there is no atomic rename: a save first
+deletes the `COMPLETE` marker of a checkpoint of the same update, then the folder, writes the sub-folders and
+`state.json`, and the marker last. Each `files[name]` is then given the URL of its folder and writes there itself
+(the trainer stages locally and uploads: `storage.objectstore.staged`), since the trainer is another machine.
+
+Simplified, and why: numpy scalars and arrays in `state` are converted to JSON numbers and lists.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from storage import _fsutil
+from storage import _fsutil, objectstore
 
 MARKER = "COMPLETE"
 STATE_FILE = "state.json"
@@ -50,6 +54,9 @@ class Checkpoint:
 class CheckpointStore:
     def __init__(self, root: str):
         self.root = str(root)
+        self._local = objectstore.is_local(self.root)
+        if self._local:
+            self.root = objectstore.local_path(self.root)  # a file:// URL as its plain path
 
     def path_for(self, update: int) -> str:
         return os.path.join(self.root, f"ckpt-{update:06d}")
@@ -72,8 +79,22 @@ class CheckpointStore:
             marker = {"update": update, "created": created, "files": sorted(files)}
             _write_text(os.path.join(folder, MARKER), json.dumps(marker))
 
-        _fsutil.publish_dir(self.path_for(update), fill, overwrite=True, durable=True)
+        if self._local:
+            _fsutil.publish_dir(self.path_for(update), fill, overwrite=True, durable=True)
+        else:
+            self._save_remote(update, files, state_text, created)
         return self.load(update)
+
+    def _save_remote(self, update: int, files: dict[str, Callable[[str], None]], state_text: str,
+                     created: float) -> None:
+        path = self.path_for(update)
+        objectstore.unpublish_folder(path, MARKER)
+        for name, write in files.items():
+            write(objectstore.join(path, name))
+        fs = objectstore.filesystem(path)
+        fs.pipe_file(objectstore.join(path, STATE_FILE), state_text.encode())
+        marker = {"update": update, "created": created, "files": sorted(files)}
+        fs.pipe_file(objectstore.join(path, MARKER), json.dumps(marker).encode())  # last: publishes the checkpoint
 
     def updates(self) -> list[int]:
         """Updates that have a complete checkpoint, ascending."""
@@ -86,7 +107,7 @@ class CheckpointStore:
 
     def load_latest(self) -> Checkpoint:
         """The newest complete checkpoint; CheckpointError naming the path when there is none."""
-        if not os.path.isdir(self.root):
+        if not (os.path.isdir(self.root) if self._local else objectstore.exists(self.root)):
             raise CheckpointError(f"cannot resume: checkpoint folder {self.root} does not exist")
         checkpoint = self.latest()
         if checkpoint is None:
@@ -98,14 +119,12 @@ class CheckpointStore:
     def load(self, update: int) -> Checkpoint:
         path = self.path_for(update)
         marker_path = os.path.join(path, MARKER)
-        if not os.path.isfile(marker_path):
-            what = "does not exist" if not os.path.isdir(path) else f"is incomplete (no {MARKER})"
+        if not self._is_file(marker_path):
+            what = "does not exist" if not self._is_dir(path) else f"is incomplete (no {MARKER})"
             raise CheckpointError(f"checkpoint {path} {what}")
         try:
-            with open(marker_path) as f:
-                marker = json.load(f)
-            with open(os.path.join(path, STATE_FILE)) as f:
-                state = json.load(f)
+            marker = json.loads(self._read(marker_path))
+            state = json.loads(self._read(os.path.join(path, STATE_FILE)))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
         return Checkpoint(update=update, path=path, state=state, files=marker["files"], created=marker["created"])
@@ -120,18 +139,39 @@ class CheckpointStore:
         oldest_kept = complete[-keep_last]
         deleted = [u for u, _ in self._scan() if u < oldest_kept]
         for update in deleted:
-            shutil.rmtree(self.path_for(update))
+            if self._local:
+                shutil.rmtree(self.path_for(update))
+            else:
+                objectstore.unpublish_folder(self.path_for(update), MARKER)
         return deleted
 
     def _scan(self) -> list[tuple[int, bool]]:
-        if not os.path.isdir(self.root):
+        if not self._is_dir(self.root):
             return []
         found = []
-        for name in os.listdir(self.root):
+        for name in self._listdir(self.root):
             match = _CKPT_DIR.match(name)
             if match:
-                found.append((int(match.group(1)), os.path.isfile(os.path.join(self.root, name, MARKER))))
+                found.append((int(match.group(1)), self._is_file(os.path.join(self.root, name, MARKER))))
         return sorted(found)
+
+    # file operations on a local folder or an object store (os.path.join builds both: "/" on POSIX)
+    def _is_file(self, path: str) -> bool:
+        return os.path.isfile(path) if self._local else objectstore.filesystem(path).isfile(path)
+
+    def _is_dir(self, path: str) -> bool:
+        return os.path.isdir(path) if self._local else objectstore.exists(path)
+
+    def _listdir(self, path: str) -> list[str]:
+        if self._local:
+            return os.listdir(path)
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in objectstore.filesystem(path).ls(path, detail=False)]
+
+    def _read(self, path: str) -> str:
+        if self._local:
+            with open(path) as f:
+                return f.read()
+        return objectstore.filesystem(path).cat_file(path).decode()
 
 
 def _write_text(path: str, text: str) -> None:

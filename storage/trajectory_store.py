@@ -6,7 +6,8 @@ It is the source of truth for the audit (`storage.audit`) and for resume (`trunc
 Protocol
 - One writer (the driver). Appends are buffered in memory and written when a buffer reaches its chunk size, and on
   `flush()`/`close()`: zarr rewrites a partial chunk on every small append and loses rows with two writers
-  (stack-notes). Local stores take an exclusive `flock` on `<store>/.writer.lock` to refuse a second writer.
+  (stack-notes). Local stores take an exclusive `flock` on `<store>/.writer.lock` to refuse a second writer; an
+  object store (s3://...) has no lock, so one driver per store is the user's to keep.
 - Commit record: `flush()` first writes every array (growing it), then rewrites the root attributes with the new row
   counts (`attrs["committed"]`) and string vocabularies in one atomic metadata write. Readers read only committed rows,
   so a reader in another process sees whole flushes, never a half-written one. Arrays longer than the committed count

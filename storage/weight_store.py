@@ -7,9 +7,11 @@ and the version of the latest checkpoint (resume restarts from it), and never de
 it has seen (`newer_than`: the trainer may already have published it).
 
 Simplified, and why
-- Local folders (or file:// URLs) are the main path: a shared filesystem is what the rollout engines load from.
-- Other fsspec URLs (s3://, memory://, ...) have no atomic folder rename: the folder is written locally, uploaded into
-  place file by file, and a `_PUBLISHED` marker is written last; `versions()` lists only folders with the marker.
+- Local folders (or file:// URLs): a filesystem every worker can read; publish is an atomic rename.
+- Other fsspec URLs (s3://, gs://, memory:// in tests) have no atomic folder rename: the folder is written locally,
+  uploaded, and a `_PUBLISHED` marker is written last (`storage.objectstore.publish_folder`); `versions()` lists only
+  folders with the marker. Readers get a local copy from `storage.objectstore.local_folder` (engines, evaluation).
+  The initial model goes to `<root>/initial` (`share_initial`), so that workers need no folder of the driver's.
 - A version that already exists is refused unless `overwrite=True` (a resumed run re-publishing versions newer than
   its checkpoint should `retain` them away first, or overwrite).
 """
@@ -18,15 +20,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 from typing import Callable
 
 from dora_tasks.core.records import PublishedWeights
-from storage import _fsutil
+from storage import _fsutil, objectstore
 from storage._zarr_io import local_path
 
 MARKER = "_PUBLISHED"
+INITIAL = "initial"  # the initial model folder on an object store (`share_initial`); not a version, never retained
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -35,11 +37,9 @@ class WeightStoreError(Exception):
 
 
 class WeightStore:
-    def __init__(self, root: str, storage_options: dict | None = None):
+    def __init__(self, root: str):
         self.root = str(root)
         self._local = local_path(self.root)
-        self._storage_options = storage_options or {}
-        self._fs = None
 
     def path_for(self, version: int) -> str:
         """Folder of `version` (it exists only once published)."""
@@ -51,13 +51,13 @@ class WeightStore:
         """Run `write_fn(folder)` on a temp folder and publish it as `version`; returns path and seconds taken."""
         started = time.perf_counter()
         final = self.path_for(version)
-        if version in self.versions() and not overwrite:
+        if not overwrite and version in self.versions():  # the trainer overwrites: no listing per publish
             raise WeightStoreError(f"version {version} is already published at {final}; pass overwrite=True "
                                    "or retain() it away first")
         if self._local is not None:
             _fsutil.publish_dir(local_path(final), write_fn, overwrite=overwrite)
         else:
-            self._publish_remote(final, write_fn)
+            objectstore.publish_folder(final, write_fn, MARKER)
         return PublishedWeights(version=version, path=final, seconds=time.perf_counter() - started)
 
     def versions(self) -> list[int]:
@@ -66,12 +66,12 @@ class WeightStore:
             if not os.path.isdir(self._local):
                 return []
             return sorted(int(m.group(1)) for m in map(_VERSION_DIR.match, os.listdir(self._local)) if m)
-        fs = self._filesystem()
+        fs = objectstore.filesystem(self.root)
         if not fs.exists(self.root):
             return []
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.root, detail=False)]
         return sorted(int(m.group(1)) for m in map(_VERSION_DIR.match, names)
-                      if m and fs.exists(f"{self.path_for(int(m.group(1)))}/{MARKER}"))
+                      if m and objectstore.is_published(self.path_for(int(m.group(1))), MARKER))
 
     def latest(self) -> int | None:
         versions = self.versions()
@@ -87,26 +87,17 @@ class WeightStore:
             if self._local is not None:
                 shutil.rmtree(local_path(path))
             else:
-                fs = self._filesystem()
-                fs.rm(f"{path}/{MARKER}")  # unpublish first, then remove the files
-                fs.rm(path, recursive=True)
+                objectstore.unpublish_folder(path, MARKER)
         return deleted
 
-    def _filesystem(self):
-        if self._fs is None:
-            import fsspec
-
-            self._fs, _ = fsspec.core.url_to_fs(self.root, **self._storage_options)
-        return self._fs
-
-    def _publish_remote(self, final: str, write_fn: Callable[[str], None]) -> None:
-        fs = self._filesystem()
-        with tempfile.TemporaryDirectory(prefix="dora-weights-") as temp:
-            write_fn(temp)
-            if fs.exists(final):
-                fs.rm(final, recursive=True)
-            for dirpath, _, filenames in os.walk(temp):
-                for filename in filenames:
-                    rel = os.path.relpath(os.path.join(dirpath, filename), temp).replace(os.sep, "/")
-                    fs.put_file(os.path.join(dirpath, filename), f"{final}/{rel}")
-        fs.pipe_file(f"{final}/{MARKER}", b"")
+    def share_initial(self, model_path: str, *, overwrite: bool = True) -> str:
+        """Where workers read the initial model (`model_path`, a folder of the driver's) from: `model_path` itself
+        beside a local store (the workers share its filesystem), else a copy uploaded to `<root>/initial` (kept when
+        already there and not `overwrite`: a resumed run)."""
+        if self._local is not None:
+            return model_path
+        url = objectstore.join(self.root, INITIAL)
+        if overwrite or not objectstore.is_published(url, MARKER):
+            objectstore.publish_folder(url, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True),
+                                       MARKER)
+        return url

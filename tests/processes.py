@@ -1,10 +1,13 @@
-"""`dora` commands as real processes for the tests that kill them by PID."""
+"""`dora` and `dask` commands as real processes for the tests that start, kill and stop them."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,3 +25,28 @@ def kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM all (the `dask` CLI closes its nanny and worker on it), then kill what is left of each session."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its own process group
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def read_scheduler_file(path: Path, timeout_s: float = 60) -> str:
+    """The address a `dask scheduler --scheduler-file` wrote, once it has written it."""
+    deadline = time.time() + timeout_s
+    while not path.exists() or not path.read_text().strip():
+        assert time.time() < deadline, f"the scheduler wrote no {path} in {timeout_s:.0f} s"
+        time.sleep(0.2)
+    return json.loads(path.read_text())["address"]

@@ -7,9 +7,7 @@ with three labelled `dask worker` processes started with the README's flags, on 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 from distributed import Client, Security
+from processes import read_scheduler_file, stop_processes
 
 from dora_tasks.core.config import ConfigError, load_config
 from dora_tasks.plugins import WORKER_ENV
@@ -151,26 +150,8 @@ class Processes:
         return [psutil.Process(p.pid) for p in self.started]
 
     def stop(self) -> None:
-        for proc in self.started:
-            proc.terminate()  # the CLI closes its nanny and worker on SIGTERM
-        for proc in self.started:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its own process group
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        stop_processes(self.started)
 
-
-def read_scheduler_file(path: Path, timeout_s: float = 60) -> str:
-    deadline = time.time() + timeout_s
-    while not path.exists() or not path.read_text().strip():
-        assert time.time() < deadline, f"the scheduler wrote no {path} in {timeout_s:.0f} s"
-        time.sleep(0.2)
-    return json.loads(path.read_text())["address"]
 
 
 @pytest.fixture(scope="module")

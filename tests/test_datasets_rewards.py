@@ -153,18 +153,15 @@ def raises(prompt, response, answer):
     raise KeyError("boom")
 
 
-def sleeps(prompt, response, answer):
-    time.sleep(2)
-    return 1.0
-
-
 def test_score_records_failures_and_never_raises():
     assert score(countdown.reward, "count 4 step 10:", "4", "4", 1.0) == (1.0, "")
     assert score(lambda *a: True, "p", "r", "a", 1.0) == (1.0, "")
     reward, error = score(raises, "p", "r", "a", 1.0)
     assert math.isnan(reward) and error == "KeyError: 'boom'"
+    release = threading.Event()  # a reward function that hangs until the test is done with it
     start = time.perf_counter()
-    reward, error = score(sleeps, "p", "r", "a", 0.1)
+    reward, error = score(lambda *a: release.wait(30), "p", "r", "a", 0.1)
+    release.set()
     assert math.isnan(reward) and error == "timeout" and time.perf_counter() - start < 1.0
     for bad in (float("nan"), float("inf"), "1.0", None):
         reward, error = score(lambda *a, value=bad: value, "p", "r", "a", 1.0)
@@ -173,11 +170,12 @@ def test_score_records_failures_and_never_raises():
 
 def test_score_all_scores_in_order_with_one_thread_until_a_timeout():
     threads = []
+    release = threading.Event()
 
     def fn(prompt, response, answer):
-        threads.append(threading.get_ident())
-        if response == "hang":
-            time.sleep(2)
+        threads.append(threading.current_thread())
+        if response == "hang":  # hangs until the test releases it, after score_all gave up on it
+            release.wait(30)
         if response == "bad":
             raise ValueError("bad")
         return float(response == answer)
@@ -190,9 +188,10 @@ def test_score_all_scores_in_order_with_one_thread_until_a_timeout():
     assert math.isnan(results[2][0]) and results[2][1] == "ValueError: bad"
     assert math.isnan(results[4][0]) and results[4][1] == "timeout"
     assert len(set(threads[:5])) == 1 and len(set(threads[5:])) == 1 and threads[5] != threads[0]
-    assert threading.get_ident() not in threads
-    time.sleep(2.0)  # the abandoned thread wakes up and stops: it scores nothing more
-    assert len(threads) == 7
+    assert threading.current_thread() not in threads
+    release.set()  # the abandoned thread wakes up and stops: it scores nothing more
+    threads[4].join(10)
+    assert not threads[4].is_alive() and len(threads) == 7
 
 
 def test_math_verify_reward():

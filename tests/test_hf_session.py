@@ -10,7 +10,7 @@ import transformers
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from dora_tasks.core.config import ModelConfig, RolloutConfig
-from dora_tasks.engines.decoding import _top_p
+from dora_tasks.engines.decoding import _top_p, sample_next
 from dora_tasks.engines.fast_session import FastDecodeSession, supports
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.engines.hf_session import DecodeSession
@@ -84,11 +84,102 @@ def test_greedy_session_decodes_what_generate_decodes(policy, fast):
         assert toks == reference[k][0].token_ids.tolist()
 
 
-def test_top_p_keeps_what_transformers_keeps():
-    scores = torch.randn(16, 50) * 3
+def test_top_p_keeps_what_transformers_keeps_with_the_renormalised_probabilities():
+    scores = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 3
+    full = scores.softmax(-1)
     for top_p in (0.3, 0.8, 0.95):
         expected = TopPLogitsWarper(top_p)(None, scores.clone())
-        assert torch.equal(torch.isinf(_top_p(scores.clone(), top_p)), torch.isinf(expected))
+        got = _top_p(scores.clone(), top_p)
+        kept = ~torch.isinf(got)
+        assert torch.equal(kept, ~torch.isinf(expected))
+        assert ((full * kept).sum(-1) >= top_p - 1e-6).all()  # the nucleus holds at least top_p ...
+        smallest_kept = torch.where(kept, full, 1.0).min(-1).values  # ... and is the smallest that does
+        assert ((full * kept).sum(-1) - smallest_kept < top_p + 1e-6).all()
+        renormalised = torch.where(kept, full / (full * kept).sum(-1, keepdim=True), 0.0)
+        torch.testing.assert_close(got.softmax(-1), renormalised, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got.softmax(-1), expected.softmax(-1), rtol=1e-5, atol=1e-7)
+
+
+# ---- the sampled distribution ---------------------------------------------------------------------------------------
+# Pearson's chi-square goodness of fit of the drawn tokens to the model's softmax at the temperature, after top-p.
+# ALPHA is the false-failure rate of one check: a correct sampler fails it with probability 1e-4. The seeds are fixed,
+# so a given code base passes or fails every time; ALPHA says how unlucky a fixed seed would have to be to fail a
+# correct sampler. Each check is paired with a power check: the same draws reject a nearby wrong distribution.
+ALPHA = 1e-4
+
+
+def chi_square_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of `tokens` (draws) under `probs` [V]; tokens of probability 0 must never be drawn (asserted), and the
+    least likely ones are pooled into one bin until it expects at least 5 draws."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    possible = probs > 0
+    assert counts[~possible].sum() == 0, f"drew tokens of probability 0: {(~possible & (counts > 0)).nonzero()}"
+    counts, expected = counts[possible], probs[possible].double() * len(tokens)
+    order = torch.argsort(expected)
+    counts, expected = counts[order], expected[order]
+    pooled = int((torch.cumsum(expected, 0) < 5).sum()) + 1
+    counts = torch.cat([counts[:pooled].sum()[None], counts[pooled:]])
+    expected = torch.cat([expected[:pooled].sum()[None], expected[pooled:]])
+    assert len(counts) >= 2, "too few draws for a chi-square test"
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(counts) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic / 2))  # the chi-square survival function
+
+
+def truncated_softmax(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The reference: transformers' own top-p warper on the logits at `temperature`, then softmax."""
+    scores = (logits.double() / temperature)[None]
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)[0]
+
+
+SAMPLING = [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)]
+
+
+@pytest.mark.parametrize("own_streams", [False, True], ids=["shared-stream", "row-streams"])
+@pytest.mark.parametrize("temperature, top_p", SAMPLING)
+def test_sample_next_draws_the_softmax_at_its_temperature_and_top_p(temperature, top_p, own_streams):
+    """20000 draws (5000 with a random stream per row) of one row's logits pass a chi-square test at ALPHA = 1e-4
+    against softmax(logits / T) truncated to the top-p nucleus; each draw's log-prob is that distribution's."""
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
+    draws = 5000 if own_streams else 20000
+    streams = [torch.Generator().manual_seed(1000 + i) for i in range(draws)] if own_streams else None
+    tokens, logprobs = sample_next(logits.expand(draws, -1), torch.Generator().manual_seed(2), temperature, top_p,
+                                   True, streams)
+    expected = truncated_softmax(logits, temperature, top_p)
+    torch.testing.assert_close(logprobs.double(), expected.log()[tokens], rtol=0, atol=1e-5)
+    assert chi_square_p_value(tokens, expected) >= ALPHA
+    assert chi_square_p_value(tokens, truncated_softmax(logits, temperature * 1.2, top_p)) < ALPHA  # power
+
+
+@pytest.fixture(scope="module")
+def peaked_policy():
+    """A tiny policy whose next-token distribution is far from uniform (its lm_head untied and scaled by 8; the
+    random model's logits are nearly flat), so that a wrong temperature or top-p shows in a few thousand draws."""
+    model = build_model(TINY, TOK.vocab_size, seed=0)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 8)
+    return model.eval()
+
+
+@pytest.mark.parametrize("temperature, top_p", SAMPLING)
+def test_fast_session_draws_the_models_softmax_at_its_temperature_and_top_p(peaked_policy, temperature, top_p):
+    """3000 rows of one prompt decode one token each in a `FastDecodeSession`: the tokens pass a chi-square test at
+    ALPHA = 1e-4 against transformers' forward at temperature T, truncated to the top-p nucleus, and each token's
+    log-prob is that distribution's."""
+    prompt, rows = [1, *TOK.encode("9:")], 3000
+    with torch.no_grad():
+        logits = peaked_policy(input_ids=torch.tensor([prompt])).logits[0, -1]
+    expected = truncated_softmax(logits, temperature, top_p)
+    session = FastDecodeSession(peaked_policy, [2], 0, version=0, temperature=temperature, top_p=top_p)
+    for row in range(rows):
+        session.add(row, prompt)
+    out = session.decode(dict.fromkeys(range(rows), 1), seed=3)
+    tokens = torch.tensor([int(out[row].token_ids[0]) for row in range(rows)])
+    logprobs = torch.tensor([float(out[row].logprobs[0]) for row in range(rows)], dtype=torch.float64)
+    torch.testing.assert_close(logprobs, expected.log()[tokens], rtol=0, atol=1e-4)
+    assert chi_square_p_value(tokens, expected) >= ALPHA
+    assert chi_square_p_value(tokens, truncated_softmax(logits, temperature * 1.2, top_p)) < ALPHA  # power
 
 
 @pytest.mark.parametrize("chunk", [0, 3, 16])
@@ -155,6 +246,7 @@ def test_fast_session_refuses_what_it_was_not_written_for(policy):
     sliding = transformers.Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                                        use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(sliding).eval()
     assert not supports(model)
     with pytest.raises(ValueError, match="does not support"):

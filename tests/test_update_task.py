@@ -3,7 +3,6 @@ version order even when a later batch reaches the trainer first (update lookahea
 from __future__ import annotations
 
 import shutil
-import time
 
 from distributed import Client, LocalCluster
 
@@ -12,8 +11,14 @@ from dora_tasks.core.config import TrainConfig
 from dora_tasks.plugins import TrainerPlugin
 from storage.weight_store import WeightStore
 from tests.test_trainers import build_tiny_model, make_batch
+from tests.waiting import wait_until
 
 TRAINER = {"TRAINER": 1}
+
+
+def sent_back(dask_scheduler, key) -> bool:
+    """Whether the worker has handed task `key` back to the scheduler (`Reschedule`) at least once."""
+    return any(str(stimulus).startswith("reschedule-") for *_, stimulus, _ in dask_scheduler.story(key))
 
 
 def test_an_update_that_reaches_the_trainer_early_waits_for_the_one_before(tmp_path):
@@ -26,7 +31,9 @@ def test_an_update_that_reaches_the_trainer_early_waits_for_the_one_before(tmp_p
         client.register_plugin(TrainerPlugin(store.root, TrainConfig()))
         client.submit(steps.warm_up_trainer, 0, resources=TRAINER, pure=False).result(timeout=60)
         early = client.submit(steps.update, second, store.root, key=("update", 1), resources=TRAINER, pure=False)
-        time.sleep(1.0)  # it reaches the trainer alone: version 1 does not exist yet, it goes back to the scheduler
+        # it reaches the trainer alone: the engine holds version 0, so the update goes back to the scheduler
+        wait_until(lambda: client.run_on_scheduler(sent_back, key=("update", 1)), 60,
+                   "the early update was sent back to the scheduler")
         assert not early.done()
         late = client.submit(steps.update, first, store.root, key=("update", 0), resources=TRAINER, pure=False)
         one, two = late.result(timeout=60), early.result(timeout=60)

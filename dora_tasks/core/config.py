@@ -248,23 +248,61 @@ class ClusterConfig:
                      f"must be tls://HOST:PORT when cluster.tls_* are set, got {self.scheduler_address!r}")
 
 
+_STORE_NAMES = {"trajectory_store": "trajectories.zarr", "weight_store": "weights", "checkpoint_store": "checkpoints"}
+
+
+def _check_location(value: str, key: str) -> None:
+    """A local folder, or an fsspec URL whose filesystem is installed and writable from every process. Credentials
+    and endpoint are never configured here: the filesystem's library reads its own environment variables."""
+    if "://" not in value or value.startswith("file://"):
+        return
+    import fsspec
+
+    scheme, rest = value.split("://", 1)
+    _require(scheme in fsspec.available_protocols(), key,
+             f"unsupported URL scheme {scheme!r} in {value!r}: use a local folder or an fsspec URL such as "
+             "s3://bucket/prefix (schemes: fsspec.available_protocols())")
+    _require(scheme not in ("http", "https"), key, f"{value!r}: {scheme}:// URLs are read-only; use s3://, gs://, ...")
+    _require(scheme != "memory", key, f"{value!r}: memory:// lives inside one process, so workers (and a later "
+             "`dora resume`) cannot read it; use an object store (s3://bucket/prefix) or a folder")
+    _require(bool(rest.strip("/")), key, f"{value!r} names no bucket or path")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: {value!r} needs a package that is not installed ({exc}); for s3:// run "
+                          "`pip install s3fs`") from None
+
+
 @dataclass
 class StorageConfig:
-    run_dir: str = "runs/demo"  # everything of a run: store, weights, checkpoints, plots, MLflow db
-    trajectory_store: str = ""  # zarr URL or path; empty: <run_dir>/trajectories.zarr
-    weight_store: str = ""  # folder or fsspec URL; empty: <run_dir>/weights
+    run_dir: str = "runs/demo"  # the driver's folder of the run: config.yaml, MLflow db, plots (and the stores when
+    #                             store_root is empty)
+    store_root: str = ""  # folder or object-store URL (s3://bucket/prefix; endpoint and keys from AWS_* environment
+    #                       variables) holding the stores below; empty: run_dir. A URL needs no folder shared with
+    #                       the workers
+    trajectory_store: str = ""  # zarr folder or URL; empty: <store_root>/trajectories.zarr
+    weight_store: str = ""  # folder or URL; empty: <store_root>/weights
+    checkpoint_store: str = ""  # folder or URL; empty: <store_root>/checkpoints
     checkpoint_interval: int = 5  # updates between checkpoints; 0 disables
     keep_versions: int = 0  # published versions kept beyond the live window; 0 keeps only what resume needs
 
     def validate(self) -> None:
         _require(bool(self.run_dir), "storage.run_dir", "must not be empty")
+        _require("://" not in self.run_dir, "storage.run_dir",
+                 f"must be a local folder of the driver (config, MLflow db, plots), got {self.run_dir!r}; to keep "
+                 "the stores on an object store, set storage.store_root=s3://bucket/prefix")
+        for key in ("store_root", *_STORE_NAMES):
+            _check_location(getattr(self, key), f"storage.{key}")
         _require(self.checkpoint_interval >= 0, "storage.checkpoint_interval",
                  f"must be >= 0, got {self.checkpoint_interval}")
 
     def resolved(self, name: str) -> str:
+        """Where store `name` (trajectory_store, weight_store, checkpoint_store) is: set, or under store_root."""
         explicit = getattr(self, name)
-        defaults = {"trajectory_store": "trajectories.zarr", "weight_store": "weights"}
-        return explicit or os.path.join(self.run_dir, defaults[name])
+        root = self.store_root or self.run_dir
+        if explicit or "://" not in root:
+            return explicit or os.path.join(root, _STORE_NAMES[name])
+        return f"{root.rstrip('/')}/{_STORE_NAMES[name]}"
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Hashable, Mapping, Protocol, Sequence
 
+from dora_tasks.core.handover import Continuation, MigrationCost, RowState
 from dora_tasks.core.records import Generation, TrainBatch
 
 
@@ -15,14 +16,25 @@ class DecodeSession(Protocol):
 
     version: int
 
-    def add(self, key: Hashable, token_ids: Sequence[int]) -> None:
-        """Start a row from its prompt (plus the tokens it already has)."""
+    def add(self, key: Hashable, token_ids: Sequence[int], stream: int | bytes | None = None) -> None:
+        """Start a row from its prompt (plus the tokens it already has); `stream`: its own random stream (a seed or a
+        saved state), where the session samples per row; None: it draws from each `decode` call's stream."""
 
     def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
         """Up to `steps[key]` more tokens of each row (fewer when it ends with eos)."""
 
     def drop(self, keys: Sequence[Hashable]) -> None:
         """Forget rows that ended."""
+
+    def sampler_state(self, key: Hashable) -> bytes | None:
+        """The saved state of the row's own random stream (None: it has none)."""
+
+    def export(self, key: Hashable) -> RowState:
+        """Take a row out with what another session of this version needs to continue it (its cache, if kept)."""
+
+    def adopt(self, key: Hashable, continuation: Continuation) -> MigrationCost:
+        """Take in a row handed over by a session of this version (raises `VersionMismatch` otherwise); returns
+        what it cost (tokens re-encoded, seconds)."""
 
 
 class RolloutEngine(ABC):

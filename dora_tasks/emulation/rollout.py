@@ -29,6 +29,7 @@ import numpy as np
 
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
+from dora_tasks.core.handover import Continuation, MigrationCost, RowState, check_version
 from dora_tasks.core.records import Generation
 from dora_tasks.emulation.cost_model import CostModel, cost_model_from
 from dora_tasks.emulation.lengths import length_model_from
@@ -57,8 +58,11 @@ class EmulatedRolloutEngine(RolloutEngine):
         return self._budget
 
     def load_version(self, version: int, weights_path: str) -> None:
-        if not is_emulated_model(weights_path):
-            raise OSError(f"{weights_path!r} holds no emulated model (rollout.engine=emulated needs task.name=emulated)")
+        from storage.objectstore import local_folder
+
+        if not is_emulated_model(local_folder(weights_path)):  # on an object store: via the worker's cache
+            raise OSError(f"{weights_path!r} holds no emulated model "
+                          "(rollout.engine=emulated needs task.name=emulated)")
         self.spend(self._load_s)
         self.version = version
 
@@ -106,7 +110,8 @@ class EmulatedSession(DecodeSession):
         self.rows: dict[Hashable, _Row] = {}
         self._added: Counter = Counter()  # rows of each prompt id added so far: the next sample index
 
-    def add(self, key: Hashable, token_ids: Sequence[int]) -> None:
+    def add(self, key: Hashable, token_ids: Sequence[int], stream: int | bytes | None = None) -> None:
+        """`stream` is ignored: emulated tokens are not sampled."""
         prompt_id = prompt_id_of(token_ids)
         start = next((i for i in range(2, len(token_ids)) if token_ids[i] >= SAMPLE_BASE), len(token_ids))
         if start < len(token_ids):
@@ -120,6 +125,22 @@ class EmulatedSession(DecodeSession):
     def drop(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.rows.pop(key, None)
+
+    def sampler_state(self, key: Hashable) -> None:
+        return None
+
+    def export(self, key: Hashable) -> RowState:
+        """Take a row out; no cache travels (as vLLM, the receiver prefills it again)."""
+        self.rows.pop(key, None)
+        return RowState(self.version, None, None)
+
+    def adopt(self, key: Hashable, continuation: Continuation) -> MigrationCost:
+        """Take in a handed-over row as a re-encoded one: its prefill is spent when it is next admitted; the cost
+        reported is that prefill's emulated seconds."""
+        check_version(self.version, continuation)
+        ids = continuation.ids
+        self.add(key, ids)
+        return MigrationCost.of(continuation, len(ids), self.engine.cost.prefill_s(len(ids)))
 
     def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
         wanted = {k: max(0, min(n, self.rows[k].target - self.rows[k].generated)) for k, n in steps.items()}

@@ -4,7 +4,9 @@ Simplifications, and why:
 - One data-parallel rank (world size 1: the design has one trainer worker). The trainer still goes through
   `deepspeed.init_distributed` (gloo on CPU, NCCL with CUDA), with MASTER_ADDR/MASTER_PORT (a free port)/RANK/
   WORLD_SIZE/LOCAL_RANK set when absent, so the ZeRO code paths are the real ones. Splitting a TrainBatch across
-  ranks is not implemented: WORLD_SIZE > 1 is refused with a clear error.
+  ranks is not implemented: WORLD_SIZE > 1 is refused with a clear error, unless `replicated_batch=True` says that
+  every rank is handed the same whole batch (ZeRO then shards gradients, optimizer state and, at stage 3, weights
+  across the ranks; the tests use it to check the sharded paths against the torch engine).
 - A torch AdamW is passed in (`zero_allow_untested_optimizer`): DeepSpeed's CPU Adam takes ~85 s to compile.
 - Gradient accumulation is manual because a TrainBatch has a varying number of micro-batches: the accumulation
   boundary is set off before the first micro-batch and on for the last backward, then `engine.step()` runs once.
@@ -51,13 +53,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_distributed_env() -> None:
-    """Single-process defaults for torch.distributed's env:// rendezvous, leaving any value already set alone."""
+def ensure_distributed_env(replicated_batch: bool = False) -> None:
+    """Single-process defaults for torch.distributed's env:// rendezvous, leaving any value already set alone.
+    WORLD_SIZE > 1 only with `replicated_batch` (every rank trains on the same whole batch)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    if os.environ["WORLD_SIZE"] != "1":
+    if os.environ["WORLD_SIZE"] != "1" and not replicated_batch:
         raise NotImplementedError(f"DeepSpeedTrainEngine trains on one rank; WORLD_SIZE={os.environ['WORLD_SIZE']} "
                                   "(splitting a TrainBatch across data-parallel ranks is not implemented)")
 
@@ -102,7 +105,9 @@ def deepspeed_config(train_cfg) -> dict:
 
 
 class DeepSpeedTrainEngine(TrainEngine):
-    def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0):
+    def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0, *,
+                 replicated_batch: bool = False):
+        """`replicated_batch`: allow WORLD_SIZE > 1, each rank being handed the same whole TrainBatch."""
         check_train_config(train_cfg)  # a ZeRO stage out of range fails here, before DeepSpeed is touched
         import deepspeed
 
@@ -111,7 +116,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.model_path = model_path
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
-        ensure_distributed_env()
+        ensure_distributed_env(replicated_batch)
         device = default_device()
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -12,8 +12,12 @@ def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature:
 
     `temperature` is the rollout's sampling temperature (`rollout.temperature`): the trainer's log-probs are taken at
     it, so that importance ratios compare the same distributions the behaviour log-probs came from.
+    A `model_path` on an object store (the weight store's URL) is read from a local copy (worker cache).
     """
+    from storage.objectstore import local_folder
+
     train_cfg.validate()
+    model_path = local_folder(model_path)
     if train_cfg.engine == "emulated":
         from dora_tasks.emulation.trainer import EmulatedTrainEngine
 

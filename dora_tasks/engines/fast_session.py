@@ -14,7 +14,8 @@ serves one version; the rollout server opens a new one after every load, `Decode
   step writes one column per row in place and attends over the first `max(length) + 1` columns with a length mask;
 - joining rows are prefilled together (right-padded, causal and length mask) and appended on the batch axis;
 - rows that end during a `decode` call stop being fed at once and leave the buffers at its end (one compaction per
-  call instead of one per ended row).
+  call instead of one per ended row);
+- a row handed over by another session (`adopt`) is written into the buffers from its cache, with no forward.
 
 What a step gains over the transformers forward: `benchmarks/decode_step.py`, figures in docs/benchmark.md.
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dora_tasks.core.handover import RowCache
 from dora_tasks.core.records import Generation
 from dora_tasks.engines.decoding import SessionRows, sample_next
 
@@ -95,7 +97,7 @@ class FastDecodeSession(SessionRows):
             if len(active) == 0:
                 break
             tokens, logprobs = sample_next(self.next_logits.index_select(0, active), generator, self.temperature,
-                                           self.top_p, self.do_sample)
+                                           self.top_p, self.do_sample, self._streams_of(active))
             tokens_out[active, t], logprobs_out[active, t] = tokens, logprobs
             produced[active] += 1
             ended = torch.isin(tokens, self.eos)
@@ -176,6 +178,24 @@ class FastDecodeSession(SessionRows):
         self.keys = self.keys + keys
         self.lengths = torch.cat([self.lengths, lengths])
         self.next_logits = last if self.next_logits is None else torch.cat([self.next_logits, last])
+        self.prefill_tokens += int(lengths.sum())
+
+    def _row_cache(self, row: int) -> RowCache:
+        length = int(self.lengths[row])
+        return RowCache([k[row, :, :length].clone() for k in self._k], [v[row, :, :length].clone() for v in self._v],
+                        self.next_logits[row].clone())
+
+    def _insert(self, key: Hashable, cache: RowCache) -> None:
+        """Append a row after the others from its cache (written into the buffers, no forward)."""
+        row, length = len(self.keys), cache.length
+        self._grow_rows(row + 1)
+        self._reserve(length)
+        for buf, part in zip(self._k + self._v, cache.keys + cache.values):
+            buf[row, :, :length] = part
+        self.keys = self.keys + [key]
+        self.lengths = torch.cat([self.lengths, torch.tensor([length])])
+        logits = cache.next_logits[None].to(self._lm_head.dtype)
+        self.next_logits = logits if self.next_logits is None else torch.cat([self.next_logits, logits])
 
     def _keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in order) at the front of the buffers."""

@@ -131,8 +131,10 @@ class HFRolloutEngine(RolloutEngine):
                     do_sample=self.generation_config.do_sample)
 
     def load_version(self, version: int, weights_path: str) -> None:
+        from storage.objectstore import local_folder
+
         with torch.no_grad():
-            load_weights_in_place(self.model, weights_path)
+            load_weights_in_place(self.model, local_folder(weights_path))  # object store: via the worker's cache
         self.version = version
 
     @property

@@ -5,7 +5,8 @@ session instead keeps one KV cache for its rows between chunks: a row joining is
 other joiners), then every step decodes one token for every live row; a row leaves at its eos or its budget. Rows
 are right-aligned in the cache (left padding, masked), each with its own position ids; a joiner's cache is padded
 on the left to the live rows' length (or theirs to its) and concatenated on the batch axis, and columns no live row
-uses any more are cut off, so the cache is as long as the longest live row.
+uses any more are cut off, so the cache is as long as the longest live row. A row handed over by another session
+(`adopt`) joins from its cache the way a prefilled joiner does, with no forward.
 
 Sampling and log-probs follow `HFRolloutEngine` (see its module): temperature, then top-p, and each token's log-prob
 under the distribution it was sampled from; greedy picks the argmax and records the raw log-softmax.
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from dora_tasks.core.handover import RowCache
 from dora_tasks.core.records import Generation
 from dora_tasks.engines.decoding import SessionRows, left_pad, sample_next
 
@@ -46,7 +48,7 @@ class DecodeSession(SessionRows):
             if len(active) == 0:
                 break
             tokens, logprobs = sample_next(self.next_logits.index_select(0, active), generator, self.temperature,
-                                           self.top_p, self.do_sample)
+                                           self.top_p, self.do_sample, self._streams_of(active))
             for i, tok, lp in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
                 out[self.keys[i]][0].append(tok)
                 out[self.keys[i]][1].append(lp)
@@ -89,6 +91,21 @@ class DecodeSession(SessionRows):
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
         self._merge(keys, cache, mask, mask.sum(1), logits)
+        self.prefill_tokens += int(mask.sum())
+
+    def _row_cache(self, row: int) -> RowCache:
+        """The row's real columns (a row's idle steps left masked columns among them), in position order."""
+        real = self.mask[row].bool()
+        return RowCache([layer.keys[row][:, real].clone() for layer in self.cache.layers],
+                        [layer.values[row][:, real].clone() for layer in self.cache.layers],
+                        self.next_logits[row].clone())
+
+    def _insert(self, key: Hashable, cache: RowCache) -> None:
+        """Append a row after the others from its cache, merged as a prefilled joiner would be (no forward)."""
+        length = cache.length
+        own = DynamicCache([(k[None], v[None]) for k, v in zip(cache.keys, cache.values)])
+        self._merge([key], own, torch.ones((1, length), dtype=torch.long), torch.tensor([length]),
+                    cache.next_logits[None])
 
     def _merge(self, keys: list, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor,
                logits: torch.Tensor) -> None:

@@ -39,5 +39,7 @@ def make_rollout_engine(model_path: str, rollout_cfg: RolloutConfig, version: in
                         **engine_options) -> RolloutEngine:
     """A rollout engine serving `model_path` as policy `version`, of the kind `rollout_cfg.engine` names.
     `engine_options`: what that kind needs besides (the emulated engine: `emulation` and `seed`; see
-    `pipelines.run.engine_options`)."""
-    return rollout_engine_class(rollout_cfg.engine)(model_path, rollout_cfg, version, **engine_options)
+    `pipelines.run.engine_options`). A `model_path` on an object store is read from a local copy (worker cache)."""
+    from storage.objectstore import local_folder
+
+    return rollout_engine_class(rollout_cfg.engine)(local_folder(model_path), rollout_cfg, version, **engine_options)

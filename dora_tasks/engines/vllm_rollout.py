@@ -239,6 +239,9 @@ class VLLMRolloutEngine(RolloutEngine):
                           finished=completion.finish_reason == "stop")
 
     def load_version(self, version: int, weights_path: str) -> None:
+        from storage.objectstore import local_folder
+
+        weights_path = local_folder(weights_path)  # vLLM reads a local folder: an object store's via the worker cache
         if not glob.glob(os.path.join(weights_path, "*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors file in {weights_path!r}: cannot load version {version}")
         with _VLLM_CALLS:
