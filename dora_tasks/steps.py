@@ -9,30 +9,56 @@ that groups which end in the same decode step cost two tasks together, not two e
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 from distributed import get_worker
 
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
-                               UpdateResult)
+                                     UpdateResult, WeightsReceived)
+
+if TYPE_CHECKING:
+    from storage.weight_store import WeightFiles
 
 
 # ---- rollout (rollout instance, label ROLLOUT) -------------------------------------------------------------------
 def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, group_size: int, seed: int,
-            attempt: int = 0) -> Group:
-    """Generate the G responses of one prompt on this instance, all with policy `version`."""
+            attempt: int = 0, shipped: WeightFiles | None = None) -> Group:
+    """Generate the G responses of one prompt on this instance, all with policy `version`; `shipped`: the version's
+    weights as Dask data, copied from a peer worker that holds them (else the engine reads `weights_path`)."""
     from dora_tasks.plugins import rollout_clock, rollout_server
 
     server, clock = rollout_server(), rollout_clock()
     start = clock.now()
+    received = None
+    if shipped is not None:
+        weights_path, received = shipped.local_folder(), _received(shipped)
     gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed)
     prompt_ids = np.asarray(prompt.token_ids, dtype=np.int32)
     trajectories = [
         Trajectory(group_id, i, prompt_ids, g.token_ids, g.versions, g.logprobs, g.finished)
         for i, g in enumerate(gens)
     ]
-    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now())
+    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now(),
+                 weights=received)
+
+
+def read_weights(version: int, path: str) -> WeightFiles:
+    """A published version as Dask data (the weight store is read once; instances copy it from whoever holds it, and
+    should every holder die, Dask runs this again: the store is the fallback)."""
+    from storage.weight_store import WeightFiles
+
+    return WeightFiles.read(version, path)
+
+
+def _received(shipped: WeightFiles) -> WeightsReceived:
+    """Where this worker copied `shipped` from and how long it took (its incoming-transfer log)."""
+    key = ("weights", shipped.version)
+    for entry in reversed(get_worker().transfer_incoming_log):
+        if key in entry["keys"]:
+            return WeightsReceived(shipped.version, entry["who"], shipped.nbytes, entry["duration"])
+    return WeightsReceived(shipped.version, "", shipped.nbytes, 0.0)  # held already (computed here)
 
 
 # ---- reward (CPU worker) -----------------------------------------------------------------------------------------

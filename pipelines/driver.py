@@ -42,6 +42,7 @@ from pipelines.gate import BatchDecision, VersionGate
 from pipelines.metrics import Timeline, UpdateTiming, reward_errors, update_metrics
 from pipelines.orchestrator import Orchestrator, Start
 from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery
+from pipelines.weight_sharing import SharedWeights
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
@@ -128,10 +129,14 @@ class Driver(TrainerRecovery):
     live_versions_max: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
     observers: list[Callable[[Event], None]] = field(default_factory=list)
+    shared: SharedWeights = field(init=False)  # each version's weights as Dask data, copied peer to peer
     _synced: float = 0.0
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
+
+    def __post_init__(self) -> None:
+        self.shared = SharedWeights(self.client, self.weights)
 
     # ---- events --------------------------------------------------------------------------------------------------
     def subscribe(self, observer: Callable[[Event], None]) -> None:
@@ -258,7 +263,8 @@ class Driver(TrainerRecovery):
         suffix = (attempt,) if attempt else ()
         seed = self.cfg.dora.seed * SEED_STRIDE + gid * ATTEMPT_SEEDS + attempt
         rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v),
-                                    self.cfg.rollout.group_size, seed, attempt, key=("rollout", v, gid) + suffix,
+                                    self.cfg.rollout.group_size, seed, attempt,
+                                    self.shared.for_group(start.instance, v), key=("rollout", v, gid) + suffix,
                                     workers=[start.instance], resources=ROLLOUT, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
         self.track(rolled, RolloutTask(gid, v, start.instance))
@@ -268,6 +274,7 @@ class Driver(TrainerRecovery):
         group = self.in_flight.get(gid)
         if group is not None and not group.rolled_out:
             group.rolled_out = True
+            self.shared.on_group_finished(group.instance, group.version)
             self.orchestrator.on_group_done(gid)
             self.unscored.append(gid)
             self.emit(GroupRolledOut(gid, self.clock.now()))
@@ -422,6 +429,7 @@ class Driver(TrainerRecovery):
         if self.cfg.storage.keep_versions:
             keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
         self.weights.retain(keep, newer_than=None if drop_unseen else self.gate.newest)
+        self.shared.retain(keep)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluation_due(self, version: int) -> bool:
@@ -480,6 +488,8 @@ class Driver(TrainerRecovery):
                 except TimeoutError:
                     self.check_workers()  # a paused engine never starts
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
+        for address in self.orchestrator.instances:
+            self.shared.on_group_finished(address, v)  # loaded from the store by the warm-up
         while self.evaluations():
             wait(self.evaluations())
             for future in self.wait_any(POLL_S):

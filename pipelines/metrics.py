@@ -70,7 +70,16 @@ def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int
         "wall_s": now - tl.t0,
     })
     metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
+    metrics.update(peer_weight_metrics(groups))
     return metrics
+
+
+def peer_weight_metrics(groups) -> dict[str, float]:
+    """The version copies instances received from peers with this batch's groups (each group is consumed once)."""
+    copies = [g.weights for g in groups if g.weights is not None and g.weights.source]
+    return {"weights_peer_copies": float(len(copies)),
+            "weights_peer_bytes": float(sum(c.nbytes for c in copies)),
+            "weights_peer_s_max": max((c.seconds for c in copies), default=0.0)}
 
 
 def reward_errors(groups) -> list[str]:

@@ -112,8 +112,13 @@ def local_folder(path: str, marker: str = "_PUBLISHED", cache_dir: str | None = 
     except FileNotFoundError:
         raise ObjectStoreError(f"{path} is not published (no {marker} object): deleted, or still being written") \
             from None
-    cache = cache_dir or _cache_dir()
     name = f"{hashlib.sha1(path.encode()).hexdigest()[:16]}-{token}"
+    return cached_folder(name, lambda folder: download_folder(path, folder), cache_dir)
+
+
+def cached_folder(name: str, fill: Callable[[str], None], cache_dir: str | None = None) -> str:
+    """The folder `name` of this worker's cache, filled once by `fill(folder)`; the `CACHE_KEEP` used last stay."""
+    cache = cache_dir or _cache_dir()
     entry = os.path.join(cache, name)
     if os.path.isdir(entry):
         os.utime(entry)  # last use, for eviction
@@ -121,11 +126,11 @@ def local_folder(path: str, marker: str = "_PUBLISHED", cache_dir: str | None = 
     os.makedirs(cache, exist_ok=True)
     temp = tempfile.mkdtemp(prefix=".tmp-", dir=cache)
     try:
-        download_folder(path, temp)
+        fill(temp)
         os.rename(temp, entry)  # atomic: another thread of this worker sees the whole folder or none
     except OSError:
         shutil.rmtree(temp, ignore_errors=True)
-        if not os.path.isdir(entry):  # else another thread downloaded the same publication first
+        if not os.path.isdir(entry):  # else another thread filled the same entry first
             raise
     _evict(cache, keep=name)
     return entry

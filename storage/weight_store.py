@@ -21,6 +21,8 @@ import os
 import re
 import shutil
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 from dora_tasks.core.records import PublishedWeights
@@ -101,3 +103,39 @@ class WeightStore:
             objectstore.publish_folder(url, lambda folder: shutil.copytree(model_path, folder, dirs_exist_ok=True),
                                        MARKER)
         return url
+
+
+@dataclass
+class WeightFiles:
+    """A published version's folder as bytes, to move between workers as Dask data (peer-to-peer weight transfer):
+    read once from the store, then copied by Dask from whichever worker holds it to the instances that need it."""
+
+    version: int
+    files: dict[str, bytes]  # relative path -> content
+    token: str  # unique to this read: a worker's cached copy is never confused with another publication's
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.files.values())
+
+    @classmethod
+    def read(cls, version: int, path: str) -> "WeightFiles":
+        folder = objectstore.local_folder(path, MARKER)
+        files = {}
+        for base, _, names in os.walk(folder):
+            for name in names:
+                full = os.path.join(base, name)
+                with open(full, "rb") as f:
+                    files[os.path.relpath(full, folder)] = f.read()
+        return cls(version, files, uuid.uuid4().hex[:12])
+
+    def local_folder(self) -> str:
+        """These files as a folder of this worker's cache (written once per worker), for the engines to load."""
+        return objectstore.cached_folder(f"v{self.version:06d}-{self.token}", self._write)
+
+    def _write(self, folder: str) -> None:
+        for name, content in self.files.items():
+            target = os.path.join(folder, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(content)

@@ -92,6 +92,7 @@ class Group:
     start_time: float = 0.0
     end_time: float = 0.0
     filtered: str = ""  # name of the algorithmic filter that excluded it from the loss, if any
+    weights: WeightsReceived | None = None  # the instance received its version's weights with this group
 
     @property
     def rewards(self) -> np.ndarray:
@@ -124,6 +125,16 @@ class UpdateResult:
     start_time: float
     end_time: float  # the train step's end; the publish of version `update + 1` follows
     published: PublishedWeights | None = None
+
+
+@dataclass
+class WeightsReceived:
+    """How a rollout instance got a version's weights from a peer worker (peer-to-peer transfer through Dask)."""
+
+    version: int
+    source: str  # the worker it was copied from ("" when it already held it)
+    nbytes: int
+    seconds: float  # the transfer, as the receiving worker measured it
 
 
 @dataclass

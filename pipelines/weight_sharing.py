@@ -1,0 +1,45 @@
+"""Peer-to-peer weights: each policy version is one piece of Dask data, ``("weights", v)``, that instances copy
+from one another instead of each reading the weight store.
+
+The store is read once per version, by a task on a CPU worker (`steps.read_weights`). The groups an instance runs on
+a version, until one of them has finished there, take that key as an argument, so Dask copies it to the instance
+before they start, from whichever worker holds it: the reader, or an instance that already received it (Dask
+spreads its copies among the holders). Each copy is timed by the receiving worker and recorded with its group
+(`Group.weights`, the update metrics `weights_peer_*`). Should every holder die, Dask runs the read again: the store
+is the fallback. A version's key is released when the weight store lets the version go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distributed import Client, Future
+
+from dora_tasks import steps
+from pipelines.cluster import CPU
+from storage.weight_store import WeightStore
+
+
+@dataclass
+class SharedWeights:
+    client: Client
+    store: WeightStore
+    futures: dict[int, Future] = field(default_factory=dict)  # version -> ("weights", v)
+    loaded: set[tuple[str, int]] = field(default_factory=set)  # (instance, version) a group has finished on
+
+    def for_group(self, instance: str, version: int) -> Future | None:
+        """What a group of `version` on `instance` takes along: the version's weights until the instance has them."""
+        if (instance, version) in self.loaded:
+            return None
+        if version not in self.futures:
+            self.futures[version] = self.client.submit(steps.read_weights, version, self.store.path_for(version),
+                                                       key=("weights", version), resources=CPU, pure=False)
+        return self.futures[version]
+
+    def on_group_finished(self, instance: str, version: int) -> None:
+        self.loaded.add((instance, version))
+
+    def retain(self, keep: set[int]) -> None:
+        """Release the versions the weight store no longer keeps (their copies leave the workers' memory)."""
+        for version in [v for v in self.futures if v not in keep]:
+            del self.futures[version]
+        self.loaded = {(i, v) for i, v in self.loaded if v in keep}
