@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from distributed.client import FutureCancelledError
 from distributed.scheduler import KilledWorker
 
 from dora_tasks import steps
@@ -17,7 +18,9 @@ from pipelines.cluster import TRAINER, wait_for_workers, worker_wait_s
 from pipelines.events import TrainerRestored
 
 log = logging.getLogger("dora")
-TRAINER_LOSS = (TrainerLost, KilledWorker)  # what a trainer task raises when the trainer's process died under it
+# What a trainer task raises when the trainer's process died under it; cancelled: the batch scattered to the trainer
+# died with it, and the scheduler forgot the update that needed it.
+TRAINER_LOSS = (TrainerLost, KilledWorker, FutureCancelledError)
 MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them before the run stops
 RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
 
