@@ -63,7 +63,8 @@ class RolloutPlugin(WorkerPlugin):
         policy = PartialRollout(newest) if self.rollout.partial_rollout else DispatchVersion()
         self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0,
                                                                 **self.engine_options), policy,
-                                    self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache)
+                                    self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache,
+                                    row_streams=self.rollout.per_row_streams)
 
     def teardown(self, worker) -> None:
         if getattr(self, "server", None) is not None:
@@ -144,3 +145,16 @@ def busy_spans(dask_worker):
     plugin = dask_worker.plugins.get(ROLLOUT_PLUGIN)
     server = getattr(plugin, "server", None)
     return None if server is None else [(plugin.clock.at(s), plugin.clock.at(e)) for s, e in server.busy.spans]
+
+
+async def hand_over_requests(request_ids: list, dask_worker) -> list[int]:
+    """Hand the running responses of `request_ids` over at this rollout instance's next chunk boundary (`client.run`
+    on the source instance, not a task: every thread of the worker may be held by a rollout task blocked on the
+    server). Their rollout (or resume) tasks answer with the continuations; this answers their sample indices."""
+    import asyncio
+
+    server = getattr(dask_worker.plugins.get(ROLLOUT_PLUGIN), "server", None)
+    if server is None:
+        return []
+    handed = await asyncio.to_thread(server.hand_over, requests=request_ids)
+    return sorted(c.sample_index for c in handed)

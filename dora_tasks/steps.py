@@ -1,5 +1,5 @@
-"""The functions Dask runs: rollout, reward, advantage, gate, update (with its publish). Thin shells over engines and
-pure code.
+"""The functions Dask runs: rollout (and resume, of a response migrated from another instance), reward, advantage,
+gate, update (with its publish). Thin shells over engines and pure code.
 
 Each takes and returns typed records (`dora_tasks.core.records`); the driver submits them with tuple keys, e.g.
 ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers. A rollout task is one
@@ -9,14 +9,16 @@ that groups which end in the same decode step cost two tasks together, not two e
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 from distributed import get_worker
 
 from dora_tasks.core.clock import Clock
-from dora_tasks.core.records import (Group, Prompt, PublishedWeights, TrainBatch, TrainerRestore, Trajectory,
-                                     UpdateResult, WeightsReceived)
+from dora_tasks.core.handover import Continuation, HandedOver, ResumedResponse, VersionMismatch, assemble_group
+from dora_tasks.core.records import (Generation, Group, Migration, Prompt, PublishedWeights, TrainBatch,
+                                     TrainerRestore, Trajectory, UpdateResult, WeightsReceived)
 
 if TYPE_CHECKING:
     from storage.weight_store import WeightFiles
@@ -24,9 +26,10 @@ if TYPE_CHECKING:
 
 # ---- rollout (rollout instance, label ROLLOUT) -------------------------------------------------------------------
 def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, group_size: int, seed: int,
-            attempt: int = 0, shipped: WeightFiles | None = None) -> Group:
+            attempt: int = 0, shipped: WeightFiles | None = None) -> Group | HandedOver:
     """Generate the G responses of one prompt on this instance, all with policy `version`; `shipped`: the version's
-    weights as Dask data, copied from a peer worker that holds them (else the engine reads `weights_path`)."""
+    weights as Dask data, copied from a peer worker that holds them (else the engine reads `weights_path`). Running
+    responses handed over meanwhile (`hand_over_requests`) come back as continuations (`HandedOver`)."""
     from dora_tasks.plugins import rollout_clock, rollout_server
 
     server, clock = rollout_server(), rollout_clock()
@@ -34,14 +37,65 @@ def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, grou
     received = None
     if shipped is not None:
         weights_path, received = shipped.local_folder(), _received(shipped)
-    gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed)
+    gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed,
+                           request_id=request_id(group_id, attempt))
     prompt_ids = np.asarray(prompt.token_ids, dtype=np.int32)
     trajectories = [
         Trajectory(group_id, i, prompt_ids, g.token_ids, g.versions, g.logprobs, g.finished)
-        for i, g in enumerate(gens)
+        for i, g in enumerate(gens) if isinstance(g, Generation)
     ]
-    return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now(),
-                 weights=received)
+    group = Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now(),
+                  weights=received)
+    handed = [g for g in gens if isinstance(g, Continuation)]  # responses handed over to another instance meanwhile
+    return HandedOver(group, handed) if handed else group
+
+
+def request_id(group_id: int, attempt: int) -> tuple[int, int]:
+    """How a group's rollout names its request to the rollout server (what a hand-over order names)."""
+    return group_id, attempt
+
+
+def resume(held: HandedOver | ResumedResponse, sample: int, weights_path: str, carries_group: bool,
+           version_wait_s: float = 600.0) -> ResumedResponse:
+    """Continue response `sample`, which another instance of its version handed over (`held`: that instance's
+    answer), on this instance, to its end or to its next hand-over. `carries_group`: this answer also carries the
+    group's trajectories that ended where it started (one response of the group does).
+
+    A resumed response is one row of this instance's batch, not one of its slots: the task leaves the worker's
+    thread pool while it waits (`secede`), so the rows a group's slot freed here can take several. The instance
+    may not have loaded the version yet (its first group of it is on its way): it waits for it, up to
+    `version_wait_s`."""
+    from distributed import secede
+
+    from dora_tasks.plugins import rollout_clock, rollout_server
+
+    secede()
+    server, clock = rollout_server(), rollout_clock()
+    c = held.continuation(sample)
+    deadline = time.monotonic() + version_wait_s
+    while True:
+        try:
+            resumed = server.resume(c, weights_path)
+            break
+        except VersionMismatch:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    cost, outcome, here = resumed.cost, resumed.outcome, get_worker().address
+    produced = outcome.versions[len(c.token_ids):]  # the versions of the tokens this instance produced
+    served = int(produced[0]) if len(produced) and (produced == produced[0]).all() else -1  # -1: none, or mixed
+    group_id, attempt = c.request_id
+    moved = Migration(group_id, attempt, sample, c.version, served, held.instance, here, cost.bytes_moved,
+                      cost.reprefill_tokens, cost.seconds, clock.at(cost.handed_over_at), clock.at(cost.adopted_at))
+    previous = held.migrations if isinstance(held, ResumedResponse) else []
+    shell = held.group if isinstance(held, ResumedResponse) else (held.group if carries_group else None)
+    answer = ResumedResponse(group_id, attempt, sample, here, clock.now(), previous + [moved], group=shell)
+    if isinstance(outcome, Continuation):
+        answer.continuations = [outcome]
+    else:
+        answer.trajectory = Trajectory(group_id, sample, c.prompt_ids, outcome.token_ids, outcome.versions,
+                                       outcome.logprobs, outcome.finished)
+    return answer
 
 
 def read_weights(version: int, path: str) -> WeightFiles:
@@ -82,13 +136,15 @@ def _reward_fn(dotted: str):
     return resolve_reward_fn(dotted)
 
 
-def reward(groups: list[Group], model_path: str, reward_fn: str, timeout_s: float, isolation: str,
-           memory_bytes: int) -> list[Group]:
-    """Score every response of `groups` (the groups one instance finished generating in one turn of the driver) in
-    the given isolation (`task.reward_isolation`); an exception, a timeout or a killed reward process is recorded on
-    the trajectory, never raised."""
+def reward(rolled: list[Group | list[ResumedResponse]], model_path: str, reward_fn: str, timeout_s: float,
+           isolation: str, memory_bytes: int) -> list[Group]:
+    """Score every response of the groups one instance finished generating in one turn of the driver (a group whose
+    responses moved comes as their resumed responses and is put together first) in the given isolation
+    (`task.reward_isolation`); an exception, a timeout or a killed reward process is recorded on the trajectory,
+    never raised."""
     from dora_tasks.workloads.rewards import score_isolated
 
+    groups = [g if isinstance(g, Group) else assemble_group(g) for g in rolled]
     tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
     trajectories = [(g, t) for g in groups for t in g.trajectories]
     calls = [(g.prompt.text, tokenizer.decode(t.response_ids), g.prompt.answer) for g, t in trajectories]

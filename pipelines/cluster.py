@@ -32,6 +32,9 @@ from dora_tasks.plugins import WORKER_ENV
 log = logging.getLogger("dora")
 # What a task asks for, by where it must run (`client.submit(..., resources=CPU)`): one slot of that label.
 ROLLOUT, TRAINER, CPU = {"ROLLOUT": 1}, {"TRAINER": 1}, {"CPU": 1}
+# A migrated response continues as one row of its new instance's batch, not in a slot of its own: its resume task
+# asks for the rollout label without taking a slot, and leaves the worker's thread pool while it waits (`secede`).
+ROLLOUT_ROW = {"ROLLOUT": 0}
 MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
 WORKER_POLL_S = 0.2  # how often the scheduler is asked again while a worker is missing
 ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=1,TRAINER=1)", "cpu": "CPU (CPU=n)"}

@@ -6,18 +6,18 @@ evaluation); `on_done` dispatches a finished one on its type. What happened goes
 the trajectory store and the only owner of the gate and orchestrator; `pipelines.streaming.stream` is its loop.
 
 Submission placement (Dask resource restrictions):
-  rollout   -> the instance the orchestrator chose (``workers=[addr]``), resource ROLLOUT=1 (one slot)
+  rollout, resume -> the instance the orchestrator chose (``workers=[addr]``), ROLLOUT=1 (a slot), =0 (a row)
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
   update (and its publish), checkpoint, restore -> the trainer, resource TRAINER=1
 
-A rollout task is one group. Its scoring is submitted once the driver sees it end: the groups one instance finished
-since the driver's last turn (groups of one decode step end together) are scored by one reward task and one
-advantage task, so Dask's per-task cost is paid once for them. A complete group is fetched by the driver and from
-then on travels by value (the gate task of its batch carries it).
+A rollout task is one group; the groups one instance finished since the driver's last turn are scored by one reward
+and one advantage task. A complete group is fetched by the driver (the store's writer); its batch goes straight to
+the trainer's worker (`send_to_trainer`), where the gate task fetches it. With `rollout.switching=migrate` a group's
+running responses can move to another instance of its version (`pipelines.migration`).
 
-Faults: a rollout instance that leaves restarts its groups on their own version; a trainer that leaves, or whose
-update fails with `TrainerLost`, is restored (`recover_trainer`); an evaluation that fails is tried once more, then
-skipped. Any other failed task ends the run with a `RunError` naming it.
+Faults: a rollout instance that leaves restarts its groups on their own version (and those whose responses moved
+to or from it); a trainer that leaves, or whose update fails with `TrainerLost`, is restored (`recover_trainer`); an
+evaluation that fails is tried once more, then skipped. Any other failed task ends the run with a `RunError` naming it.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import logging
 import queue
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import singledispatchmethod
 from typing import Callable
@@ -36,10 +37,13 @@ from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
 from pipelines.cluster import CPU, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
-from pipelines.events import (EvaluationTask, Evaluated, Event, GroupRolledOut, GroupsScored, Published, RolloutTask,
-                              ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
+from pipelines.events import (Evaluated, EvaluationTask, Event, GroupRolledOut, GroupsScored, HandOverTask, Published,
+                              ResumeTask, RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted,
+                              UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
+from pipelines.in_flight import InFlight, QueuedUpdate
 from pipelines.metrics import Timeline, UpdateTiming, reward_errors, update_metrics
+from pipelines.migration import RequestMigration
 from pipelines.orchestrator import Orchestrator, Start
 from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery
 from pipelines.weight_sharing import SharedWeights
@@ -66,25 +70,6 @@ class RewardFailureError(RuntimeError):
 
 
 @dataclass
-class InFlight:
-    group_id: int
-    version: int
-    attempt: int
-    futures: list[Future]  # rollout, then the reward and advantage of its scoring batch
-    instance: str  # where it is generated
-    rolled_out: bool = False  # the rollout finished: its instance slot is free again
-
-
-@dataclass
-class QueuedUpdate:
-    decision: BatchDecision
-    ready: float  # when the gate handed the batch over
-    batch: Future  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
-    checked: Future  # gate(u)
-    updated: Future  # update(u), which publishes version u + 1
-
-
-@dataclass
 class RateLimit:
     """True at most once every `every_s` seconds (a warning that would repeat at every update)."""
 
@@ -100,7 +85,7 @@ class RateLimit:
 
 
 @dataclass
-class Driver(TrainerRecovery):
+class Driver(TrainerRecovery, RequestMigration):
     cfg: Config
     client: Client
     gate: VersionGate
@@ -134,9 +119,14 @@ class Driver(TrainerRecovery):
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
+    hand_over_pool: ThreadPoolExecutor = field(  # sends hand-over orders (`client.run` waits for a chunk boundary)
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="dora-hand-over"))
 
     def __post_init__(self) -> None:
         self.shared = SharedWeights(self.client, self.weights)
+
+    def close(self) -> None:
+        self.hand_over_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- events --------------------------------------------------------------------------------------------------
     def subscribe(self, observer: Callable[[Event], None]) -> None:
@@ -166,7 +156,15 @@ class Driver(TrainerRecovery):
     @_done.register
     def _(self, task: RolloutTask, future: Future) -> None:
         self._raise_if_failed(future)
-        self.on_rolled_out(task.group_id)
+        self.on_rollout_done(task)
+
+    @_done.register
+    def _(self, task: HandOverTask, future) -> None:
+        self.on_handed_over(task, future)
+
+    @_done.register
+    def _(self, task: ResumeTask, future: Future) -> None:
+        self.on_resumed(task, future)
 
     @_done.register
     def _(self, task: ScoringTask, future: Future) -> None:
@@ -237,17 +235,19 @@ class Driver(TrainerRecovery):
         return workers
 
     def restart_groups_of(self, address: str) -> None:
-        """A rollout instance died: its groups restart on their own version, those it was generating and those it
-        generated whose scoring had not finished (their rollout output may have died with it before it was moved)."""
-        generating = self.orchestrator.remove_instance(address)
-        scoring = [gid for gid, g in self.in_flight.items() if g.instance == address and g.rolled_out]
-        for gid in scoring:
-            self.orchestrator.requeue(gid, self.in_flight[gid].version)
-        for gid in generating + scoring:
+        """A rollout instance died: its groups restart on their own version, those it was generating, those it
+        generated whose scoring had not finished (their rollout output may have died with it before it was moved)
+        and those whose responses moved to or from it."""
+        generating = self.orchestrator.remove_instance(address)  # queued to restart by the orchestrator
+        for gid in generating:
             lost = self.in_flight.pop(gid)
             log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
-            self.untrack(lost.futures)  # a scoring batch holds groups of one instance only
+            self.untrack(lost.futures + lost.orders)  # a scoring batch holds groups of one instance only
             self.client.cancel(lost.futures)
+        touched = [gid for gid, g in self.in_flight.items()
+                   if (g.instance == address and g.rolled_out) or (g.moves is not None and address in g.moves.touched)]
+        for gid in touched:
+            self.restart_group(gid, f"instance {address} lost")
 
     # ---- rollout side --------------------------------------------------------------------------------------------
     def prompt_for(self, group_id: int) -> Prompt:
@@ -275,7 +275,8 @@ class Driver(TrainerRecovery):
         if group is not None and not group.rolled_out:
             group.rolled_out = True
             self.shared.on_group_finished(group.instance, group.version)
-            self.orchestrator.on_group_done(gid)
+            if gid in self.orchestrator.running:
+                self.orchestrator.on_group_done(gid)
             self.unscored.append(gid)
             self.emit(GroupRolledOut(gid, self.clock.now()))
 
@@ -285,13 +286,14 @@ class Driver(TrainerRecovery):
         by_instance: dict[str, list[int]] = {}
         for gid in self.unscored:
             if gid in self.in_flight:  # not given up on since (its instance died)
-                by_instance.setdefault(self.in_flight[gid].instance, []).append(gid)
+                group = self.in_flight[gid]  # a group whose responses moved is scored alone (it may restart alone)
+                by_instance.setdefault(f"moved {gid}" if group.moved else group.instance, []).append(gid)
         self.unscored.clear()
         t, a = self.cfg.task, self.cfg.train
         for gids in by_instance.values():
             self.scoring_batches += 1
             n = self.scoring_batches
-            rolled = [self.in_flight[g].futures[0] for g in gids]
+            rolled = [self.in_flight[g].scoring_input() for g in gids]
             rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
                                           t.reward_isolation, t.reward_memory_bytes,
                                           key=("reward", n), resources=CPU, pure=False)
@@ -310,6 +312,7 @@ class Driver(TrainerRecovery):
             del self.in_flight[group.group_id]  # its futures go: the workers may drop the group
             self.gate.on_complete(group.group_id)
             self.complete[group.group_id] = group
+            self.store.append_migrations(group.migrations)
         self.emit(GroupsScored(task.group_ids, self.clock.now()))
 
     # ---- update side ---------------------------------------------------------------------------------------------
@@ -347,7 +350,7 @@ class Driver(TrainerRecovery):
         (a paper-scale batch is hundreds of MB); the gate's worker fetches it from there. Lost with the trainer, it
         is sent again by `recover_trainer`."""
         try:
-            [batch] = self.client.scatter([groups], workers=[self.trainer], direct=True, hash=False)
+            [batch] = self.client.scatter([groups], workers=[self.trainer], hash=False)  # direct: as configured
         except (OSError, ValueError) as exc:  # the trainer left (ValueError: no such worker any more)
             self.recover_trainer(f"a batch could not reach it: {type(exc).__name__}")
             return self.send_to_trainer(groups)

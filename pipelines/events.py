@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipelines.orchestrator import Load
+from pipelines.orchestrator import Load, Migrate
 
 
 # ---- tasks -------------------------------------------------------------------------------------------------------
@@ -38,13 +38,49 @@ class EvaluationTask:
     attempt: int
 
 
-Task = RolloutTask | ScoringTask | UpdateTask | EvaluationTask
+@dataclass(frozen=True)
+class HandOverTask:
+    """An order to `source` to hand the group's running responses over (for `target`): not a Dask task but a
+    `client.run` on the source worker, run from a driver thread; it answers the sample indices handed over."""
+
+    group_id: int
+    version: int
+    attempt: int
+    source: str
+    target: str
+
+
+@dataclass(frozen=True)
+class ResumeTask:
+    """`("resume", v, group_id, sample)`: a handed-over response continued on `instance` (its `hop`-th move)."""
+
+    group_id: int
+    version: int
+    attempt: int
+    sample: int
+    hop: int
+    instance: str
+
+
+Task = RolloutTask | ScoringTask | UpdateTask | EvaluationTask | HandOverTask | ResumeTask
 
 
 # ---- events ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupRolledOut:
     group_id: int
+    at: float
+
+
+@dataclass(frozen=True)
+class ResponsesHandedOver:
+    """`source` handed the group's running responses `samples` over; they continue on `target` (none: the hand-over
+    found nothing running, the group stays where it is)."""
+
+    group_id: int
+    samples: tuple[int, ...]
+    source: str
+    target: str
     at: float
 
 
@@ -101,5 +137,5 @@ class Turn:
     metrics: dict[str, float] = field(hash=False)
 
 
-Event = (GroupRolledOut | ScoringSubmitted | GroupsScored | UpdateSubmitted | Load | Published | Evaluated
-         | TrainerRestored | Turn)  # Load: the orchestrator's own decision, passed on as it is
+Event = (GroupRolledOut | ResponsesHandedOver | ScoringSubmitted | GroupsScored | UpdateSubmitted | Load | Migrate
+         | Published | Evaluated | TrainerRestored | Turn)  # Load, Migrate: the orchestrator's decisions, as they are

@@ -71,6 +71,7 @@ def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int
     })
     metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
     metrics.update(peer_weight_metrics(groups))
+    metrics.update(migration_metrics(groups))
     return metrics
 
 
@@ -80,6 +81,16 @@ def peer_weight_metrics(groups) -> dict[str, float]:
     return {"weights_peer_copies": float(len(copies)),
             "weights_peer_bytes": float(sum(c.nbytes for c in copies)),
             "weights_peer_s_max": max((c.seconds for c in copies), default=0.0)}
+
+
+def migration_metrics(groups) -> dict[str, float]:
+    """The responses of this batch's groups that moved between rollout instances: how many moves, the bytes they
+    carried, the seconds the receivers spent taking them in (re-prefill or cache insertion) and the re-encoded
+    tokens."""
+    moves = [m for g in groups for m in g.migrations]
+    return {"migrations": float(len(moves)), "migration_bytes": float(sum(m.nbytes for m in moves)),
+            "migration_s": float(np.nansum([m.seconds for m in moves])) if moves else 0.0,
+            "migration_reprefill_tokens": float(sum(m.reprefill_tokens for m in moves))}
 
 
 def reward_errors(groups) -> list[str]:

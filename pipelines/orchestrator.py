@@ -17,7 +17,7 @@ them). The orchestrator decides, from events (instances joining and leaving, ver
 `decide` returns its decisions: `Start` (a group on an instance), `Load` (an instance assigned a version, from a peer
 that holds it when there is one; the rollout server loads it when the first group of that version reaches it) and
 `Migrate` (a group's unfinished requests handed to another instance of their version). The driver acts on `Start`
-and reports all to its observers.
+and `Migrate` (`pipelines.migration`) and reports all to its observers.
 
 Free rows are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
 where engines share cores, spreading them over the least busy instances makes two engines contend for the cores
@@ -30,9 +30,9 @@ their KV use (`on_progress`) free rows and budget request by request. How instan
 switching strategy (`pipelines.switching`: drain, queue or migrate); a migration moves all of a group's unfinished
 requests from one instance to another of the same version.
 
-Simplified from the paper: the Dask driver reports group ends only, so there a group holds its G rows until its last
-request ends, and migration (`Migrate`) is executed by the simulator (`pipelines.simulator`); the driver runs drain
-or queue.
+Simplified from the paper: the Dask driver reports request ends only for responses that moved (and no KV use), so
+there a group that never moved holds its G rows until its last request ends, and a migration target needs room for
+all G; the simulator (`pipelines.simulator`) reports every request end and KV use.
 """
 from __future__ import annotations
 

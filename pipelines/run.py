@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import yaml
 from distributed import Client
 
@@ -107,6 +108,7 @@ class Run:
         from storage.audit import audit_store
 
         report = audit_store(cfg.storage.resolved("trajectory_store"), cfg.dora.max_staleness)
+        metrics.update(migration_summary(TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))))
         plots = self._plots()
         self.tracker.log_update(cfg.dora.num_updates, {f"summary/{k}": v for k, v in metrics.items()})
         self.tracker.log_text("audit.txt", report.to_text())
@@ -126,6 +128,15 @@ class Run:
         tables = {name: store.read_table(name) for name in ("dispatch", "trajectories", "updates")}
         return make_plots(tables, os.path.join(self.cfg.storage.run_dir, "plots"), self.cfg.dora.max_staleness,
                           self.driver.accuracy)
+
+
+def migration_summary(store: TrajectoryStore) -> dict[str, float]:
+    """Responses moved between rollout instances over the run (`rollout.switching=migrate`): how many, the bytes
+    moved, and the mean seconds a receiver took to take one in (none: zeros)."""
+    moved = store.read_table("migrations", ["bytes", "seconds"])
+    seconds = moved["seconds"][~np.isnan(moved["seconds"])]
+    return {"migrations": float(len(moved["bytes"])), "migration_bytes": float(moved["bytes"].sum()),
+            "migration_s_mean": float(seconds.mean()) if len(seconds) else 0.0}
 
 
 # ---- observers ---------------------------------------------------------------------------------------------------
@@ -322,6 +333,7 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         stack.callback(live.close)
         driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints,
                         clock=clock)
+        stack.callback(driver.close)
         run = Run(cfg, driver, tracker, live, checkpoints)
         if ckpt is not None:
             _restore(run, ckpt)

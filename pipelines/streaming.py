@@ -4,7 +4,8 @@
                   ROLLOUT            CPU                 CPU                 CPU        TRAINER
 
 The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
-version and move idle instances, (2) asks the version gate whether update `u` may start, submitting
+version, move idle instances and (`rollout.switching=migrate`) move running responses between instances of their
+version, (2) asks the version gate whether update `u` may start, submitting
 gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over
 while `u` still trains), (3) waits for whichever future finishes first, and (4) scores the groups whose rollout
 ended, with one reward and one advantage task for those of one instance. Groups of several versions are in flight at
@@ -13,7 +14,7 @@ once; finished groups stream into the next batch; the gate keeps every batch wit
 from __future__ import annotations
 
 from pipelines.driver import Driver
-from pipelines.orchestrator import Start
+from pipelines.orchestrator import Migrate, Start
 from pipelines.run import open_run
 
 TICK_S = 0.5
@@ -26,6 +27,8 @@ def stream(d: Driver, on_turn=None) -> None:
         for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v)
+            elif isinstance(action, Migrate):
+                d.migrate(action)  # hand-over(source) -> resume(v, group, sample)* on the target
             else:
                 d.emit(action)  # Load: an instance assigned a version
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:

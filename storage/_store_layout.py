@@ -12,21 +12,28 @@ import numpy as np
 import zarr
 import zarr.api.asynchronous
 from zarr.codecs import BloscCodec
+from zarr.core.sync import sync
 
 from storage import _zarr_io as zio
-from storage.schema import (COLUMNS, FORMAT_NAME, METRICS_ARRAY, RAGGED, RAGGED_COUNTERS, SCHEMA_VERSION, TABLES,
-                            ChunkSizes, StoreCorruptError, StoreNotFoundError, StoreSchemaError)
+from storage.schema import (COLUMNS, FORMAT_NAME, METRICS_ARRAY, RAGGED, RAGGED_COUNTERS, READABLE_SCHEMA_VERSIONS,
+                            SCHEMA_VERSION, TABLES, ChunkSizes, StoreCorruptError, StoreNotFoundError,
+                            StoreSchemaError, tables_of)
 
 COMPRESSOR = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
 COUNTERS = tuple(TABLES) + tuple(sorted(set(RAGGED_COUNTERS.values())))
+
+
+def counters_of(tables: tuple[str, ...]) -> tuple[str, ...]:
+    """The commit counters of a store holding `tables`."""
+    return tuple(tables) + tuple(sorted(set(RAGGED_COUNTERS.values())))
 
 
 def _table_len(cols: dict[str, np.ndarray]) -> int:
     return len(next(iter(cols.values()))) if cols else 0
 
 
-def _array_paths() -> list[str]:
-    paths = [f"{table}/{c.name}" for table in TABLES for c in COLUMNS[table]]
+def _array_paths(tables: tuple[str, ...] = TABLES) -> list[str]:
+    paths = [f"{table}/{c.name}" for table in tables for c in COLUMNS[table]]
     return paths + [f"updates/{METRICS_ARRAY}"] + [f"ragged/{name}" for name in RAGGED]
 
 
@@ -89,20 +96,44 @@ async def _create_layout(url: Any, chunks: ChunkSizes, attrs: dict, storage_opti
     await root.update_attributes(attrs)
 
 
+async def _add_tables(root_url: Any, tables: tuple[str, ...], chunks: ChunkSizes,
+                      storage_options: dict | None) -> None:
+    root = await zarr.api.asynchronous.open_group(root_url, mode="r+", zarr_format=3, storage_options=storage_options)
+    groups = await asyncio.gather(*(root.create_group(t, overwrite=True) for t in tables))
+    await asyncio.gather(*(group.create_array(c.name, shape=(0,), chunks=(chunks.rows(t),), dtype=c.dtype,
+                                              fill_value=c.fill, compressors=COMPRESSOR)
+                           for t, group in zip(tables, groups) for c in COLUMNS[t]))
+
+
+def upgrade(root: Any, url: Any, storage_options: dict | None) -> None:
+    """Give a store of an older readable schema version the tables added since (empty), then record the current
+    version: the commit counters and the version last, in one metadata write, so a crash before leaves the store
+    as it was (with unused empty arrays)."""
+    attrs = dict(root.attrs)
+    missing = tuple(t for t in TABLES if t not in tables_of(attrs["schema_version"]))
+    if not missing:
+        return
+    sync(_add_tables(url, missing, ChunkSizes(), storage_options))
+    root.attrs.update({"committed": {**attrs["committed"], **dict.fromkeys(missing, 0)},
+                       "schema_version": SCHEMA_VERSION})
+
+
 def check_store(root: Any, url: Any) -> None:
-    """Raise StoreSchemaError / StoreCorruptError unless `root` is a complete store of this schema version.
-    Reads metadata only (plus the last trajectory row); writes nothing."""
+    """Raise StoreSchemaError / StoreCorruptError unless `root` is a complete store of a schema version this code
+    reads. Reads metadata only (plus the last trajectory row); writes nothing."""
     attrs = dict(root.attrs)
     found = attrs.get("schema_version")
     if found is None or attrs.get("format") != FORMAT_NAME:
         raise StoreSchemaError(f"{url} is not a trajectory store (no format/schema_version attributes; "
                                f"this code reads schema_version {SCHEMA_VERSION})")
-    if found != SCHEMA_VERSION:
-        raise StoreSchemaError(f"{url} has schema_version {found}; this code reads schema_version {SCHEMA_VERSION}")
+    if found not in READABLE_SCHEMA_VERSIONS:
+        raise StoreSchemaError(f"{url} has schema_version {found}; this code reads schema_version {SCHEMA_VERSION} "
+                               f"(and {', '.join(str(v) for v in READABLE_SCHEMA_VERSIONS if v != SCHEMA_VERSION)})")
+    tables = tables_of(found)
     missing_attrs = [k for k in ("meta", "committed", "vocab", "metric_names") if k not in attrs]
-    if missing_attrs or any(k not in attrs["committed"] for k in COUNTERS):
+    if missing_attrs or any(k not in attrs["committed"] for k in counters_of(tables)):
         raise StoreCorruptError(f"{url}: root attributes incomplete (missing {missing_attrs or 'commit counters'})")
-    arrays = _open_arrays(root, url)
+    arrays = _open_arrays(root, url, tables)
     problems = _length_problems(arrays, attrs)
     if not problems:
         problems = _ragged_span_problems(arrays, attrs["committed"])
@@ -110,9 +141,9 @@ def check_store(root: Any, url: Any) -> None:
         raise StoreCorruptError(f"{url}: " + "; ".join(problems))
 
 
-def _open_arrays(root: Any, url: Any) -> dict[str, Any]:
+def _open_arrays(root: Any, url: Any, tables: tuple[str, ...]) -> dict[str, Any]:
     arrays, missing = {}, []
-    for path in _array_paths():
+    for path in _array_paths(tables):
         try:
             arrays[path] = root[path]
         except (KeyError, FileNotFoundError, ValueError, OSError):

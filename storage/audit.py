@@ -1,7 +1,9 @@
 """Audit a run from its trajectory store alone: the correctness claims C1-C3 and the multi-version timeline.
 
 - C1, one version per trajectory: every response token carries the version its group was dispatched on (a
-  trajectory whose tokens hold two versions was generated across a weight swap).
+  trajectory whose tokens hold two versions was generated across a weight swap). A response that migrated between
+  rollout instances is checked like any other, and each migration too: the instance that handed it over and the
+  one that continued it both served the dispatch version (`migrations` table, schema version 2).
 - C2, each dispatched group consumed exactly once and whole: the latest attempt of every dispatched group is consumed
   by one update, with exactly G trajectories, sample_idx 0..G-1, no duplicates; nothing consumed that was never
   dispatched. A group that is not consumed is *lost* only if an update `u > v + K` ran (the version gate would have
@@ -99,8 +101,10 @@ def audit_store(path: Any, max_staleness: int | None = None) -> AuditReport:
     updates = store.read_table("updates", ["update"])
     traj = store.read_table("trajectories")
     dispatch = store.read_table("dispatch")
+    migrations = store.read_table("migrations")  # after dispatch: every migration's dispatch row is visible
     _count(report, dispatch, traj, updates)
     _check_c1(report, store, dispatch, traj)
+    _check_migrations(report, dispatch, traj, migrations)
     _check_c2(report, dispatch, traj, last_update(traj, updates))
     _check_c3(report, traj)
     _timeline(report, traj)
@@ -164,6 +168,23 @@ def _check_c1(report: AuditReport, store: TrajectoryStore, dispatch: dict, traj:
          "trajectories with a token version other than their group's dispatch version")
     _add(report, "C1", "group_version_mismatch", _pairs(traj, field_mismatch),
          "trajectory rows whose version field differs from their dispatch row's version")
+
+
+def _check_migrations(report: AuditReport, dispatch: dict, traj: dict, migrations: dict) -> None:
+    """C1 across instances: each migrated response left and joined instances serving its dispatch version (its
+    tokens are checked with every trajectory's by `_check_c1`)."""
+    dispatched = {(g, a): v for g, a, v in zip(dispatch["group_id"].tolist(), dispatch["attempt"].tolist(),
+                                               dispatch["version"].tolist())}
+    moved = list(zip(migrations["group_id"].tolist(), migrations["attempt"].tolist(),
+                     migrations["sample_idx"].tolist(), migrations["version"].tolist(),
+                     migrations["target_version"].tolist()))
+    consumed = set(zip(traj["group_id"].tolist(), traj["attempt"].tolist(), traj["sample_idx"].tolist()))
+    report.counts["migrations"] = len(moved)
+    report.counts["migration_bytes"] = int(migrations["bytes"].astype(np.int64).sum())
+    report.counts["migrated_trajectories"] = len({m[:3] for m in moved} & consumed)
+    wrong = [(g, s) for g, a, s, v, tv in moved if not v == tv == dispatched.get((g, a), v)]
+    _add(report, "C1", "migration_version_mismatch", wrong,
+         "migrations whose source or target instance served another version than the group's dispatch version")
 
 
 def _version_range(per_row: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -320,6 +341,8 @@ def _text_lines(r: AuditReport) -> list[str]:
         f"  dispatch rows {c['dispatch_rows']} ({c['redispatches']} re-dispatches), groups dispatched "
         f"{c['dispatched_groups']}, consumed {c['consumed_groups']}, in flight at the end {c['in_flight_groups']}",
         f"  trajectories {c['trajectories']} ({c['consumed_tokens']} tokens), updates {c['updates']}",
+        f"  migrations {c.get('migrations', 0)} ({c.get('migration_bytes', 0)} bytes moved; "
+        f"{c.get('migrated_trajectories', 0)} consumed trajectories migrated)",
         f"C1 one version per trajectory: {_clause_status(r, 'C1')}",
         f"C2 every group consumed once and whole: {_clause_status(r, 'C2')}{unchecked}",
         f"   filtered groups: {r.filtered or 'none'}",

@@ -2,24 +2,31 @@
 
 `trajectory_store.py` builds and checks stores from these declarations and `docs/storage-schema.md` documents them
 (a test checks that every column named here appears there). Bump `SCHEMA_VERSION` whenever an array is added,
-removed, renamed or changes dtype or meaning; stores of another version are refused, never migrated silently.
+removed, renamed or changes dtype or meaning; stores of another version are refused, never migrated silently, except
+that a version-1 store (no migrations table) is read as one with an empty migrations table and is given that table
+when it is opened for appending (`TABLES_SINCE`).
 
 Layout (zarr v3 group):
     /                       attrs: format, schema_version, meta, committed, vocab, metric_names
     /dispatch/<column>      one row per dispatched group (re-dispatch = new row, attempt + 1)
     /trajectories/<column>  one row per consumed trajectory (group fields repeated on each of its rows)
     /updates/<column>       one row per update; /updates/metrics is 2-D [rows, len(metric_names)]
+    /migrations/<column>    one row per response handed over from one rollout instance to another (version 2)
     /ragged/<name>          flat per-token arrays; row i of trajectories owns [start_i, start_i + length_i)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 FORMAT_NAME = "dora-trajectory-store"
-TABLES = ("dispatch", "trajectories", "updates")
+TABLES = ("dispatch", "trajectories", "updates", "migrations")
+TABLES_SINCE = {"migrations": 2}  # tables added after version 1: a store of an older version has none
 METRICS_ARRAY = "metrics"  # 2-D float64 array in the updates group, one column per name in attrs["metric_names"]
-VOCAB_COLUMNS = ("instance", "filtered", "reward_error")  # int16 codes into attrs["vocab"][column]
+VOCAB_COLUMNS = ("instance", "filtered", "reward_error")  # the vocabularies in attrs["vocab"]
+CODED_COLUMNS = {"instance": "instance", "filtered": "filtered", "reward_error": "reward_error",
+                 "source": "instance", "target": "instance"}  # int16 code column -> its vocabulary
 REWARD_ERROR_MAX_CHARS = 80  # reward errors are stored as their first line, cut to this length
 REWARD_ERROR_MAX_VOCAB = 256  # distinct reward-error strings kept; later ones are coded as OTHER_ERROR
 OTHER_ERROR = "<other>"
@@ -110,6 +117,20 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column("published_version", "int32", "version the update published (u + 1)"),
         Column("publish_seconds", "float64", "seconds spent publishing the new weights", _F),
     ),
+    "migrations": (
+        Column("group_id", "int64", "id of the group whose response moved"),
+        Column("attempt", "int16", "dispatch attempt of the group"),
+        Column("sample_idx", "int16", "index of the response in its group, 0..G-1"),
+        Column("version", "int32", "version of the session that handed the response over"),
+        Column("target_version", "int32", "version of the tokens the receiving instance produced (-1: none)"),
+        Column("source", "int16", "instance that handed it over (code into attrs.vocab.instance)", 0),
+        Column("target", "int16", "instance that continued it (code into attrs.vocab.instance)", 0),
+        Column("bytes", "int64", "bytes of the continuation: token arrays, KV cache and sampler state"),
+        Column("reprefill_tokens", "int32", "tokens the receiver encoded again (0 when the KV cache travelled)"),
+        Column("seconds", "float64", "seconds taking it in: inserting its cache or re-encoding it", _F),
+        Column("handed_over_time", "float64", "time the response left the source's batch", _F),
+        Column("adopted_time", "float64", "time it joined the receiver's session", _F),
+    ),
 }
 
 RAGGED: dict[str, RaggedArray] = {
@@ -132,11 +153,17 @@ class ChunkSizes:
     dispatch: int = 8192
     trajectories: int = 8192
     updates: int = 1024
+    migrations: int = 8192
     ragged: int = 1 << 18
     metric_columns: int = 64
 
     def rows(self, table: str) -> int:
         return int(getattr(self, table))
+
+
+def tables_of(schema_version: int) -> tuple[str, ...]:
+    """The tables a store of `schema_version` holds."""
+    return tuple(t for t in TABLES if TABLES_SINCE.get(t, 1) <= schema_version)
 
 
 def short_error(text: str) -> str:

@@ -1,4 +1,5 @@
-"""TrajectoryStore: the run's append-only record of dispatches, consumed trajectories and updates, on zarr v3.
+"""TrajectoryStore: the run's append-only record of dispatches, consumed trajectories, updates and migrated
+responses, on zarr v3.
 
 It is the source of truth for the audit (`storage.audit`) and for resume (`truncate_to`). The schema lives in
 `storage.schema` and is documented in `docs/storage-schema.md`.
@@ -40,14 +41,14 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from zarr.core.sync import sync
 
-from dora_tasks.core.records import Group
+from dora_tasks.core.records import Group, Migration
 from storage import _zarr_io as zio
 from storage._store_layout import (COUNTERS, _array_paths, _check_table, _counter, _create_layout, _exists,
-                                   _initial_attrs, _open_group, _table_len, check_store)
-from storage.schema import (COLUMNS, METRICS_ARRAY, OTHER_ERROR, RAGGED, RAGGED_COUNTERS,
+                                   _initial_attrs, _open_group, _table_len, check_store, upgrade)
+from storage.schema import (CODED_COLUMNS, COLUMNS, METRICS_ARRAY, OTHER_ERROR, RAGGED, RAGGED_COUNTERS,
                             REWARD_ERROR_MAX_VOCAB, SCHEMA_VERSION, TABLES, VOCAB_COLUMNS, ChunkSizes,
                             StoreCorruptError, StoreError, StoreExistsError, StoreLockedError, StoreNotFoundError,
-                            StoreReadOnlyError, StoreSchemaError, short_error)
+                            StoreReadOnlyError, StoreSchemaError, short_error, tables_of)
 
 __all__ = ["TrajectoryStore", "Dropped", "ChunkSizes", "SCHEMA_VERSION", "StoreError", "StoreNotFoundError",
            "StoreExistsError", "StoreSchemaError", "StoreCorruptError", "StoreReadOnlyError", "StoreLockedError",
@@ -79,7 +80,7 @@ class TrajectoryStore:
         self._attrs = dict(root.attrs)
         self._arrays: dict[str, Any] = {}
         self._codes = {col: {s: i for i, s in enumerate(self._attrs["vocab"][col])} for col in VOCAB_COLUMNS}
-        self._pending: dict[str, list] = {"dispatch": [], "trajectories": [], "updates": []}
+        self._pending: dict[str, list] = {table: [] for table in TABLES}
         self._pending_counts = dict.fromkeys(COUNTERS, 0)
         self._flush_at: dict[str, int] | None = None
         self._closed = False
@@ -111,7 +112,10 @@ class TrajectoryStore:
         check_store(root, path)
         if mode == "r":
             return cls(root, path, "r", storage_options)
-        store = cls._writer(root, path, storage_options)
+        store = cls._writer(root, path, storage_options)  # the writer lock first: upgrading writes
+        if store._attrs["schema_version"] != SCHEMA_VERSION:
+            upgrade(root, path, storage_options)  # an older store gets the tables added since, empty
+            store._attrs = dict(root.attrs)
         store._trim_uncommitted()
         return store
 
@@ -137,6 +141,15 @@ class TrajectoryStore:
     @property
     def metric_names(self) -> list[str]:
         return list(self._attrs["metric_names"])
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._attrs["schema_version"])
+
+    @property
+    def _tables(self) -> tuple[str, ...]:
+        """The tables this store holds (an older store lacks those added since)."""
+        return tables_of(self.schema_version)
 
     def vocab(self, column: str) -> list[str]:
         """The strings behind the int16 codes of `column` (one of instance, filtered, reward_error)."""
@@ -164,6 +177,18 @@ class TrajectoryStore:
             self._pending_counts["response_tokens"] += len(ragged["token_versions"])
             self._maybe_flush()
 
+    def append_migrations(self, migrations: Sequence[Migration]) -> None:
+        """Record responses handed over from one rollout instance to another (`Group.migrations`)."""
+        with self._mutex:
+            self._require_writable()
+            for m in migrations:
+                self._pending["migrations"].append((
+                    m.group_id, m.attempt, m.sample_idx, m.version, m.target_version, self._code("instance", m.source),
+                    self._code("instance", m.target), m.nbytes, m.reprefill_tokens, m.seconds, m.handed_over_time,
+                    m.adopted_time))
+                self._pending_counts["migrations"] += 1
+            self._maybe_flush()
+
     def append_update(self, update: int, start: float, end: float, published_version: int,
                       publish_seconds: float, metrics: dict[str, float]) -> None:
         """Record one update; a metric name seen for the first time becomes a new column (NaN for earlier rows)."""
@@ -186,7 +211,8 @@ class TrajectoryStore:
                 return
             committed = dict(self._attrs["committed"])
             jobs: list = []  # (array, first row, data)
-            self._dispatch_jobs(jobs, committed)
+            self._row_jobs(jobs, "dispatch", committed)
+            self._row_jobs(jobs, "migrations", committed)
             self._trajectory_jobs(jobs, committed)
             self._update_jobs(jobs, committed)
             zio.append_many(jobs)
@@ -216,7 +242,7 @@ class TrajectoryStore:
     def row_counts(self) -> dict[str, int]:
         """Flush, then return the committed rows of each table: what a checkpoint records for `truncate_to`."""
         self.flush()
-        return {table: self.num_rows(table) for table in TABLES}
+        return {table: self.num_rows(table) for table in self._tables}
 
     def truncate_to(self, counts: dict[str, int]) -> Dropped:
         """Drop the rows after `counts[table]` of each named table (resume: rows written after the checkpoint) and
@@ -225,7 +251,7 @@ class TrajectoryStore:
             self.flush()
             committed = dict(self._attrs["committed"])
             for table, n in counts.items():
-                if table not in TABLES or not 0 <= n <= committed[table]:
+                if table not in self._tables or not 0 <= n <= committed[table]:
                     raise ValueError(f"truncate_to: {table}={n} is not a table count within 0..{committed.get(table)}")
             dropped = Dropped({t: self.read_table(t, rows=slice(n, committed[t])) for t, n in counts.items()})
             if "trajectories" in counts:
@@ -240,7 +266,7 @@ class TrajectoryStore:
         """Committed (flushed) rows of a table."""
         self._refresh()
         _check_table(name)
-        return int(self._attrs["committed"][name])
+        return int(self._attrs["committed"].get(name, 0))  # 0: a table added after the store's schema version
 
     def read_table(self, name: str, columns: Iterable[str] | None = None, *, rows: slice | None = None,
                    decode: bool = True) -> dict[str, np.ndarray]:
@@ -253,13 +279,16 @@ class TrajectoryStore:
                     decode: bool = True) -> dict[str, np.ndarray]:
         _check_table(name)
         columns = list(columns) if columns is not None else None
+        wanted = columns if columns is not None else [c.name for c in COLUMNS[name]]
+        if name not in self._tables:  # added after this store's schema version: it has no rows
+            dtypes = {c.name: c.dtype for c in COLUMNS[name]}
+            return {col: np.zeros(0, dtype=str if decode and col in CODED_COLUMNS else dtypes[col]) for col in wanted}
         start, stop, _ = (rows or slice(None)).indices(int(self._attrs["committed"][name]))
         stop = max(start, stop)
-        wanted = columns if columns is not None else [c.name for c in COLUMNS[name]]
         out = {col: self._read(f"{name}/{col}", start, stop) for col in wanted if not col.startswith("metrics/")}
-        for col in VOCAB_COLUMNS if decode else ():
+        for col, vocab in CODED_COLUMNS.items() if decode else ():
             if col in out:
-                out[col] = self._decode(col, out[col])
+                out[col] = self._decode(vocab, out[col])
         if name == "updates":
             out.update(self._read_metrics(start, stop, columns))
         return out
@@ -298,7 +327,7 @@ class TrajectoryStore:
 
     def _chunk_rows(self) -> dict[str, int]:
         """Buffered rows (elements, for ragged counters) that fill one chunk: the automatic flush thresholds."""
-        sizes = {t: self._array(f"{t}/{COLUMNS[t][0].name}").chunks[0] for t in TABLES}
+        sizes = {t: self._array(f"{t}/{COLUMNS[t][0].name}").chunks[0] for t in self._tables}
         ragged = self._array("ragged/tokens").chunks[0]
         return {**sizes, "tokens": ragged, "response_tokens": ragged}
 
@@ -318,7 +347,7 @@ class TrajectoryStore:
     def _decode(self, column: str, codes: np.ndarray) -> np.ndarray:
         vocab = np.asarray(self._attrs["vocab"][column], dtype=str)
         if len(codes) and (codes.min() < 0 or codes.max() >= len(vocab)):
-            raise StoreCorruptError(f"{self._url}: trajectories/{column} holds codes outside attrs.vocab.{column}")
+            raise StoreCorruptError(f"{self._url}: a code column holds codes outside attrs.vocab.{column}")
         return vocab[codes]
 
     def _array(self, path: str) -> Any:
@@ -366,13 +395,14 @@ class TrajectoryStore:
 
     def _trim_uncommitted(self) -> None:
         committed = self._attrs["committed"]
-        zio.trim_many([(self._array(path), int(committed[_counter(path)])) for path in _array_paths()])
+        zio.trim_many([(self._array(path), int(committed[_counter(path)])) for path in _array_paths(self._tables)])
 
-    def _dispatch_jobs(self, jobs: list, committed: dict[str, int]) -> None:
-        rows = self._pending["dispatch"]
+    def _row_jobs(self, jobs: list, table: str, committed: dict[str, int]) -> None:
+        """The buffered rows of a table of plain columns (dispatch, migrations): one tuple a row."""
+        rows = self._pending[table]
         if rows:
-            cols = {c.name: np.asarray([r[i] for r in rows], dtype=c.dtype) for i, c in enumerate(COLUMNS["dispatch"])}
-            self._table_jobs(jobs, "dispatch", cols, committed)
+            cols = {c.name: np.asarray([r[i] for r in rows], dtype=c.dtype) for i, c in enumerate(COLUMNS[table])}
+            self._table_jobs(jobs, table, cols, committed)
 
     def _trajectory_jobs(self, jobs: list, committed: dict[str, int]) -> None:
         batches = self._pending["trajectories"]

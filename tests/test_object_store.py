@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import logging
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_RUN
 from processes import read_scheduler_file, stop_processes
+from waiting import wait_until
 
 from dora_tasks.core.config import ConfigError, load_config
 from storage import objectstore
@@ -33,7 +34,6 @@ from storage.trajectory_store import StoreExistsError, TrajectoryStore
 from storage.weight_store import MARKER, WeightStore, WeightStoreError
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
 
 REPO = Path(__file__).resolve().parents[1]
 GUARD = REPO / "tests" / "worker_fs_guard.py"
@@ -44,10 +44,11 @@ META = {"group_size": 4, "max_staleness": 2}
 def s3():
     """moto's S3 server on a free loopback port; the AWS_* variables s3fs/botocore read point at it (for this
     process and the processes it starts). Yields a function that creates a fresh bucket and returns its s3:// URL."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    port = free_port()  # its own process: moto's Flask app in this one would break vLLM's start in later tests
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    host = "127.0.0.1"
+    wait_until(lambda: port_open(host, port), 60, "moto's server listens")
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
@@ -61,12 +62,23 @@ def s3():
     try:
         yield bucket
     finally:
-        server.stop()
+        stop_processes([server])
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) == 0
 
 
 def write_file(name: str, text: str):

@@ -220,7 +220,7 @@ def test_truncate_to_drops_rows_after_a_checkpoint_and_appends_cleanly(tmp_path)
     store.close()
     store = TrajectoryStore.open(path, mode="a")
     dropped = store.truncate_to(counts)
-    assert dropped.counts == {"dispatch": 1, "trajectories": 8, "updates": 1}
+    assert dropped.counts == {"dispatch": 1, "trajectories": 8, "updates": 1, "migrations": 0}
     assert dropped.tables["trajectories"]["group_id"].tolist() == [3] * 4 + [4] * 4
     again = groups_for(rng, 3, 2, 1, response_lens=[1, 1, 1, 1])  # shorter: stale tokens would show
     store.append_consumed(again, 1, 3.0)

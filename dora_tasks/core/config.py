@@ -15,6 +15,7 @@ import difflib
 import ipaddress
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,14 +124,32 @@ class RolloutConfig:
     #                           fused weights (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false:
     #                           transformers' forward
     switching: str = "drain"  # how an instance leaves an older version (pipelines/switching.py): "drain" = once its
-    #                           last group ends; "queue" = new groups of the newest version queue behind those groups
+    #                           last group ends; "queue" = new groups of the newest version queue behind those groups;
+    #                           "migrate" = its running responses move to instances staying on that version (DORA's
+    #                           request migration; with the KV cache on the transformers engine, by a re-prefill on
+    #                           vLLM, with keep_kv_cache off, and (in emulated time) on the emulated engine)
+    row_streams: bool | None = None  # each response samples from its own random stream (seeded by its group's seed
+    #                                  and sample index), so a migrated response draws the tokens it would have drawn
+    #                                  at home; null = on with switching=migrate, off otherwise (one draw per decode
+    #                                  step for the whole batch is cheaper)
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
+
+    @property
+    def per_row_streams(self) -> bool:
+        """`row_streams`, its default resolved: on with switching=migrate."""
+        return self.switching == "migrate" if self.row_streams is None else self.row_streams
 
     def validate(self) -> None:
         _choice(self.engine, "rollout.engine", ("hf", "vllm", "emulated"))
-        _require(self.switching != "migrate", "rollout.switching",
-                 "'migrate' runs in the simulator only (dora simulate); the Dask driver runs 'drain' or 'queue'")
-        _choice(self.switching, "rollout.switching", ("drain", "queue"))
+        _choice(self.switching, "rollout.switching", ("drain", "queue", "migrate"))
+        _require(self.row_streams in (None, True, False), "rollout.row_streams",
+                 f"expected true, false or null (on with switching=migrate), got {self.row_streams!r}")
+        if self.switching == "migrate":
+            _require(self.chunk_tokens >= 1, "rollout.chunk_tokens",
+                     "must be >= 1 with rollout.switching=migrate (a response is handed over at a chunk boundary)")
+            _require(not self.partial_rollout, "rollout.switching",
+                     "'migrate' moves a response between instances of its own version; the partial-rollout baseline "
+                     "(rollout.partial_rollout=true) changes versions under it: use 'drain' or 'queue'")
         _require(self.instances >= 1, "rollout.instances", f"must be >= 1, got {self.instances}")
         _require(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _require(self.slots >= 1, "rollout.slots", f"must be >= 1, got {self.slots}")
@@ -408,6 +427,9 @@ class Config:
 
 
 def _coerce(value: Any, typ: type, key: str) -> Any:
+    if isinstance(typ, types.UnionType) and type(None) in typ.__args__:  # `X | None`: null, or an X
+        (inner,) = [t for t in typ.__args__ if t is not type(None)]
+        return None if value is None or value == "" else _coerce(value, inner, key)
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -6,6 +6,10 @@ its remaining budget, what the receiving session needs to continue it exactly (`
 on the transformers engine, its KV cache) and what the group needs to reassemble it (request id, sample index).
 The receiving session records what taking it in cost (`MigrationCost`).
 
+On Dask (`pipelines.migration`) a group's rollout task whose responses were handed over answers `HandedOver` (the
+trajectories that ended there and the continuations), each moved response is continued by a resume task that answers
+`ResumedResponse`, and the group is put back together for scoring by `assemble_group`.
+
 Simplified, and why:
 - The KV cache travels as one tensor per layer for keys and one for values, [kv heads, length, head dim], positions
   0 .. length - 1, no padding: both transformers sessions store keys after the rotary embedding at the position that
@@ -14,14 +18,15 @@ Simplified, and why:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dora_tasks.core.records import Generation
+from dora_tasks.core.records import Generation, Group, Migration, Trajectory
 
 if TYPE_CHECKING:
     import torch
@@ -141,3 +146,67 @@ def check_cache_fits(continuation: Continuation) -> RowCache:
         raise ValueError(f"continuation of request {continuation.request_id!r}: its cache holds {cache.length} "
                          f"tokens, its prompt and response {expected}")
     return cache
+
+
+@dataclass
+class HandedOver:
+    """What a rollout task answers when some of its group's running responses were handed over: the trajectories that
+    ended on this instance (`group`, fewer than G) and a continuation for each response handed over."""
+
+    group: Group
+    continuations: list[Continuation]
+
+    @property
+    def instance(self) -> str:
+        return self.group.instance
+
+    def continuation(self, sample: int) -> Continuation:
+        return _one(self.continuations, sample, self.group.group_id)
+
+
+@dataclass
+class ResumedResponse:
+    """What a resume task answers: the response it continued, ended (`trajectory`) or handed over again
+    (`continuation`), every move of it so far and, on one response of the group only, the group's trajectories that
+    ended on the instance it started on (so that the group can be put together without that instance's data, which
+    holds the continuations' caches)."""
+
+    group_id: int
+    attempt: int
+    sample_idx: int
+    instance: str  # where it continued
+    end_time: float  # run's clock
+    migrations: list[Migration]
+    trajectory: Trajectory | None = None
+    continuations: list[Continuation] = field(default_factory=list)  # [the continuation] when handed over again
+    group: Group | None = None
+
+    def continuation(self, sample: int) -> Continuation:
+        return _one(self.continuations, sample, self.group_id)
+
+
+def _one(continuations: list[Continuation], sample: int, group_id: int) -> Continuation:
+    found = [c for c in continuations if c.sample_index == sample]
+    if len(found) != 1:
+        raise LookupError(f"group {group_id}: {len(found)} continuations of sample {sample}")
+    return found[0]
+
+
+def assemble_group(pieces: list[ResumedResponse]) -> Group:
+    """The whole group from the resumed responses of its moved samples: the trajectories that ended where it started
+    (carried by one of them) and theirs, in sample order, with every move. Raises unless exactly one piece carries the
+    group and every piece ended (C2: one trajectory per sample)."""
+    shells = [p.group for p in pieces if p.group is not None]
+    if len(shells) != 1:
+        raise ValueError(f"{len(shells)} of {len(pieces)} resumed responses carry their group (1 expected)")
+    shell = shells[0]
+    unended = [p.sample_idx for p in pieces if p.trajectory is None]
+    if unended:
+        raise ValueError(f"group {shell.group_id}: responses {unended} were handed over again, not ended")
+    trajectories = sorted(shell.trajectories + [p.trajectory for p in pieces], key=lambda t: t.sample_idx)
+    samples = [t.sample_idx for t in trajectories]
+    if len(set(samples)) != len(samples):
+        raise ValueError(f"group {shell.group_id}: samples {samples} (a response ended twice)")
+    end = max([shell.end_time] + [p.end_time for p in pieces])
+    migrations = sorted((m for p in pieces for m in p.migrations), key=lambda m: (m.sample_idx, m.handed_over_time))
+    return dataclasses.replace(shell, trajectories=trajectories, end_time=end, migrations=migrations)

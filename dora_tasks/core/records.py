@@ -93,6 +93,7 @@ class Group:
     end_time: float = 0.0
     filtered: str = ""  # name of the algorithmic filter that excluded it from the loss, if any
     weights: WeightsReceived | None = None  # the instance received its version's weights with this group
+    migrations: list[Migration] = field(default_factory=list)  # its responses' moves to other instances, if any
 
     @property
     def rewards(self) -> np.ndarray:
@@ -101,6 +102,25 @@ class Group:
     @property
     def num_tokens(self) -> int:
         return sum(t.num_tokens for t in self.trajectories)
+
+
+@dataclass
+class Migration:
+    """One response of a group handed over by one rollout instance and taken in by another of the same version
+    (DORA's request migration), as the receiving instance measured it. Times are on the run's clock."""
+
+    group_id: int
+    attempt: int  # the group's dispatch attempt
+    sample_idx: int
+    version: int  # the version of the session that handed it over (its continuation's)
+    target_version: int  # the version of the tokens the receiving instance produced (-1: none, or several)
+    source: str  # worker address of the instance that handed it over
+    target: str  # worker address of the instance that continued it
+    nbytes: int  # the continuation: token arrays, KV cache and sampler state
+    reprefill_tokens: int  # tokens the receiver encoded again (0 when the KV cache travelled)
+    seconds: float  # taking it in: inserting its cache or re-encoding it (nan: re-encoded within a later chunk)
+    handed_over_time: float  # when it left the source's batch
+    adopted_time: float  # when it joined the receiver's session
 
 
 @dataclass

@@ -1,0 +1,43 @@
+"""What the driver keeps of each group and each update in flight: their futures and where they are."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distributed import Future
+
+from pipelines.gate import BatchDecision
+from pipelines.migration import Moves
+
+
+@dataclass
+class InFlight:
+    group_id: int
+    version: int
+    attempt: int
+    futures: list[Future]  # rollout, its resumes (if responses moved), then the reward and advantage of its scoring
+    instance: str  # where it is generated (where it started, when responses of it moved)
+    rolled_out: bool = False  # every response ended: its rows are free again
+    moves: Moves | None = None  # where its responses are, once one was asked to move (`pipelines.migration`)
+    resumes: dict[tuple[int, int], Future] = field(default_factory=dict)  # (sample, hop) -> its resume
+    orders: list = field(default_factory=list)  # hand-over orders sent (driver-thread futures)
+    reported: set[int] = field(default_factory=set)  # samples whose end the orchestrator was told
+
+    @property
+    def moved(self) -> bool:
+        return self.moves is not None and self.moves.moved
+
+    def scoring_input(self) -> Future | list[Future]:
+        """What its reward task takes: the rollout's group, or the resumed responses of a group whose responses
+        moved (one of them carries the trajectories that ended where it started)."""
+        if not self.moved:
+            return self.futures[0]
+        return [self.resumes[task] for task in self.moves.final_tasks()]
+
+
+@dataclass
+class QueuedUpdate:
+    decision: BatchDecision
+    ready: float  # when the gate handed the batch over
+    batch: Future  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
+    checked: Future  # gate(u)
+    updated: Future  # update(u), which publishes version u + 1
