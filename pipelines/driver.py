@@ -274,7 +274,7 @@ class Driver(TrainerRecovery, RequestMigration):
         group = self.in_flight.get(gid)
         if group is not None and not group.rolled_out:
             group.rolled_out = True
-            self.shared.on_group_finished(group.instance, group.version)
+            self.shared.on_loaded(group.instance, group.version)
             if gid in self.orchestrator.running:
                 self.orchestrator.on_group_done(gid)
             self.unscored.append(gid)
@@ -492,7 +492,7 @@ class Driver(TrainerRecovery, RequestMigration):
                     self.check_workers()  # a paused engine never starts
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
         for address in self.orchestrator.instances:
-            self.shared.on_group_finished(address, v)  # loaded from the store by the warm-up
+            self.shared.on_loaded(address, v)  # loaded from the store by the warm-up
         while self.evaluations():
             wait(self.evaluations())
             for future in self.wait_any(POLL_S):

@@ -233,7 +233,7 @@ class RequestMigration:
                                               f"{type(exc).__name__}: {exc}")
             return
         group.moves.task_done((task.sample, task.hop))
-        self.shared.on_group_finished(task.instance, task.version)  # its engine holds the version
+        self.shared.on_loaded(task.instance, task.version)  # its engine holds the version
         self._settle(group)
 
     def on_rollout_done(self, task: RolloutTask) -> None:

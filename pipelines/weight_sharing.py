@@ -24,7 +24,7 @@ class SharedWeights:
     client: Client
     store: WeightStore
     futures: dict[int, Future] = field(default_factory=dict)  # version -> ("weights", v)
-    loaded: set[tuple[str, int]] = field(default_factory=set)  # (instance, version) a group has finished on
+    loaded: set[tuple[str, int]] = field(default_factory=set)  # (instance, version) the instance holds
 
     def for_group(self, instance: str, version: int) -> Future | None:
         """What a group of `version` on `instance` takes along: the version's weights until the instance has them."""
@@ -35,7 +35,8 @@ class SharedWeights:
                                                        key=("weights", version), resources=CPU, pure=False)
         return self.futures[version]
 
-    def on_group_finished(self, instance: str, version: int) -> None:
+    def on_loaded(self, instance: str, version: int) -> None:
+        """`instance` holds `version` (a group of it finished there, or the warm-up loaded it)."""
         self.loaded.add((instance, version))
 
     def retain(self, keep: set[int]) -> None:

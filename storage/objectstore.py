@@ -56,12 +56,17 @@ def join(root: str, *names: str) -> str:
     return "/".join([root.rstrip("/"), *names])
 
 
+def files_under(local_dir: str) -> list[str]:
+    """Every file under `local_dir`, as paths relative to it."""
+    return [os.path.relpath(os.path.join(d, f), local_dir) for d, _, files in os.walk(local_dir) for f in files]
+
+
 def upload_folder(local_dir: str, url: str) -> None:
     """Copy every file under `local_dir` to the same relative key under `url` (concurrently where fsspec can)."""
-    sources = [os.path.join(d, f) for d, _, files in os.walk(local_dir) for f in files]
-    if sources:
-        targets = [join(url, os.path.relpath(s, local_dir).replace(os.sep, "/")) for s in sources]
-        filesystem(url).put(sources, targets)
+    names = files_under(local_dir)
+    if names:
+        targets = [join(url, name.replace(os.sep, "/")) for name in names]
+        filesystem(url).put([os.path.join(local_dir, name) for name in names], targets)
 
 
 def download_folder(url: str, local_dir: str) -> None:

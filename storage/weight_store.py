@@ -122,11 +122,9 @@ class WeightFiles:
     def read(cls, version: int, path: str) -> "WeightFiles":
         folder = objectstore.local_folder(path, MARKER)
         files = {}
-        for base, _, names in os.walk(folder):
-            for name in names:
-                full = os.path.join(base, name)
-                with open(full, "rb") as f:
-                    files[os.path.relpath(full, folder)] = f.read()
+        for name in objectstore.files_under(folder):
+            with open(os.path.join(folder, name), "rb") as f:
+                files[name] = f.read()
         return cls(version, files, uuid.uuid4().hex[:12])
 
     def local_folder(self) -> str:
