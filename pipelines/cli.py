@@ -33,7 +33,7 @@ PROJECT_PACKAGES = ("pipelines", "dora_tasks", "storage")
 # Input errors that are not ValueErrors: an unreachable or unsuitable cluster.scheduler_address is the user's to fix.
 EXTRA_INPUT_ERRORS = ("pipelines.cluster.ClusterError",)
 # The run stopped for a reason its message explains (the folder can be resumed): one line, exit 1.
-RUN_STOPPED_ERRORS = ("pipelines.trainer_recovery.TrainerError", "pipelines.driver.RewardFailureError")
+RUN_STOPPED_ERRORS = ("pipelines.trainer_recovery.TrainerError", "pipelines.reward_checks.RewardFailureError")
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml")
 STORE_NAME = "trajectories.zarr"
 EXIT_USAGE = 2

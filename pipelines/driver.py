@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import singledispatchmethod
@@ -37,14 +37,15 @@ from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
 from pipelines.cluster import CPU, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
-from pipelines.events import (Evaluated, EvaluationTask, Event, GroupRolledOut, GroupsScored, HandOverTask, Published,
-                              ResumeTask, RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted,
-                              UpdateTask)
+from pipelines.evaluation import Evaluations
+from pipelines.events import (EvaluationTask, Event, GroupRolledOut, GroupsScored, HandOverTask, Published, ResumeTask,
+                              RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.in_flight import InFlight, QueuedUpdate
-from pipelines.metrics import Timeline, UpdateTiming, reward_errors, update_metrics
+from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.migration import RequestMigration
 from pipelines.orchestrator import Orchestrator, Start
+from pipelines.reward_checks import REWARD_WARNING_EVERY_S, RateLimit, RewardChecks
 from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery
 from pipelines.weight_sharing import SharedWeights
 from storage.checkpoint import CheckpointStore
@@ -52,40 +53,18 @@ from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
 
 log = logging.getLogger("dora")
-MAX_EVAL_ATTEMPTS = 2  # an evaluation that fails is tried once more, then skipped with a warning
-EVALUATION_PRIORITY = -10  # evaluations wait behind the pipeline's own CPU tasks
 LIVE_WINDOW_TURNS = 50  # the `live_versions` metric: most versions live at once over this many recent turns
 SEED_STRIDE = 1_000_003  # a prime: the seeds of two runs' groups do not collide
 ATTEMPT_SEEDS = 31  # seeds per group: its attempts take consecutive ones
 POLL_S = 1.0  # a blocking wait looks at the cluster again this often (a paused worker, a lost trainer)
-REWARD_WARNING_EVERY_S = 30.0  # the reward-failure warning would otherwise repeat at every update
 
 
 class RunError(RuntimeError):
     """A task of the run failed; the message names it. The store keeps everything consumed so far."""
 
 
-class RewardFailureError(RuntimeError):
-    """Every reward of `task.reward_failure_stop_updates` updates in a row failed: the reward function is broken."""
-
-
 @dataclass
-class RateLimit:
-    """True at most once every `every_s` seconds (a warning that would repeat at every update)."""
-
-    every_s: float
-    last: float = float("-inf")
-
-    def ready(self) -> bool:
-        now = time.monotonic()
-        if now - self.last < self.every_s:
-            return False
-        self.last = now
-        return True
-
-
-@dataclass
-class Driver(TrainerRecovery, RequestMigration):
+class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     cfg: Config
     client: Client
     gate: VersionGate
@@ -383,24 +362,6 @@ class Driver(TrainerRecovery, RequestMigration):
         if self.checkpoint_due(published.version):
             self.checkpoint(decision.update)
 
-    def check_rewards(self, metrics: dict[str, float], groups: list[Group]) -> None:
-        """Warn when more than `task.reward_failure_warn_share` of a batch's rewards failed; stop the run once every
-        reward of `task.reward_failure_stop_updates` updates in a row failed (a reward function that always raises
-        or returns no number would otherwise train on zeros in silence). Counts are the update's metrics."""
-        t, c = self.cfg.task, self.counters
-        failed, share = int(metrics["reward_failures"]), metrics["reward_failure_share"]
-        c["all_rewards_failed"] = c["all_rewards_failed"] + 1 if share == 1.0 else 0
-        example = Counter(reward_errors(groups)).most_common(1)[0][0] if failed else ""
-        if t.reward_failure_stop_updates and c["all_rewards_failed"] >= t.reward_failure_stop_updates:
-            raise RewardFailureError(
-                f"every reward of the last {c['all_rewards_failed']} updates failed (task.reward_fn="
-                f"{t.reward_fn or '(the task default)'}; most frequent error: {example}); fix the reward function "
-                f"and continue with `dora resume {self.cfg.storage.run_dir}`, or set "
-                "task.reward_failure_stop_updates=0 to train on failed rewards as 0")
-        if failed and share > t.reward_failure_warn_share and self._reward_warnings.ready():
-            log.warning("%d of %d rewards of this update failed (most frequent: %s)", failed,
-                        sum(len(g.trajectories) for g in groups), example)
-
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint(self, update: int) -> None:
         """Gate, orchestrator, store rows and the trainer's state after `update`. The trainer is between two updates
@@ -433,41 +394,6 @@ class Driver(TrainerRecovery, RequestMigration):
             keep |= set(range(max(0, self.gate.newest - self.cfg.storage.keep_versions), self.gate.newest + 1))
         self.weights.retain(keep, newer_than=None if drop_unseen else self.gate.newest)
         self.shared.retain(keep)
-
-    # ---- evaluation ----------------------------------------------------------------------------------------------
-    def evaluation_due(self, version: int) -> bool:
-        interval = self.cfg.task.eval_interval
-        return version in (0, self.cfg.dora.num_updates) or bool(interval and version % interval == 0)
-
-    def evaluations(self) -> list[Future]:
-        return [f for f, t in self.tracked.items() if isinstance(t, EvaluationTask)]
-
-    def submit_evaluation(self, version: int, attempt: int = 0) -> None:
-        t = self.cfg.task
-        future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
-                                    self.model_path, t.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
-                                    t.reward_timeout_s, t.reward_isolation, t.reward_memory_bytes,
-                                    key=("evaluate", version) + ((attempt,) if attempt else ()), resources=CPU,
-                                    pure=False, priority=EVALUATION_PRIORITY)
-        self.track(future, EvaluationTask(version, attempt))
-
-    def on_evaluated(self, task: EvaluationTask, future: Future) -> None:
-        """The held-out accuracy of the evaluated version; a failure is tried again once, then skipped: a failed
-        evaluation never stops training."""
-        if future.status != "error":
-            self.accuracy[task.version] = float(future.result())
-            self.retain_weights()
-            self.emit(Evaluated(task.version, self.accuracy[task.version]))
-            return
-        exc = future.exception()
-        self.counters["eval_failures"] += 1
-        if task.attempt + 1 < MAX_EVAL_ATTEMPTS and task.version in self.weights.versions():
-            log.warning("evaluation of version %d failed (%s: %s); trying once more", task.version,
-                        type(exc).__name__, exc)
-            self.submit_evaluation(task.version, task.attempt + 1)
-        else:  # reported by the run's observer (`pipelines.run.live_observer`)
-            self.retain_weights()
-            self.emit(Evaluated(task.version, None, f"{type(exc).__name__}: {exc}"))
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:

@@ -12,10 +12,11 @@ import time
 import pytest
 
 from dora_tasks.workloads.rewards import RewardError, check_reward_fn
-from pipelines.driver import Driver, RewardFailureError
+from pipelines.driver import Driver
 from pipelines.events import EvaluationTask, TrainerRestored
 from pipelines.gate import VersionGate
 from pipelines.orchestrator import Orchestrator
+from pipelines.reward_checks import RewardFailureError
 from pipelines.run import open_run
 from pipelines.streaming import resume_pipeline, run_pipeline, stream
 from storage.audit import audit_store
