@@ -160,14 +160,12 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
         "cluster.worker_memory=1GiB", "storage.checkpoint_interval=3", "tracking.plots=false",
         "tracking.live_view=false", f"storage.run_dir={tmp_path / 'run'}",
         f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db"])
-    started = time.time()
     probes: dict = {}
     with open_run(cfg) as run:
         streamed = time.time()
         stream(run.driver, lambda d: probes or probes.update(d.client.run(worker_probe)))
         streamed = time.time() - streamed
         summary = run.finish()
-    assert time.time() - started < 120
     assert summary.audit_ok, summary.audit_text
     for clause in ("C1", "C2", "C3"):
         assert f"{clause} " in summary.audit_text and "FAIL" not in summary.audit_text
