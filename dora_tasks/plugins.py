@@ -1,9 +1,11 @@
-"""Per-worker state as Dask WorkerPlugins: the rollout server on rollout instances, the train engine on the trainer.
+"""Per-worker state as Dask WorkerPlugins: the rollout server on rollout instances, the train engine on the trainer,
+the reward model on reward workers.
 
 Worker labels (Dask resources) decide who is who:
   rollout instance: ``GPU=1,ROLLOUT=<slots>``  (and ``--nthreads <slots>``)
   trainer:          ``GPU=1,TRAINER=1``
   CPU worker:       ``CPU=<threads>``          (reward and advantage tasks)
+  reward model:     ``GPU=1,REWARD=1``         (and ``--nthreads`` for the scoring tasks merged into one forward)
 A plugin registered on the whole cluster sets itself up only on the workers that carry its label, creates its engine
 lazily on first use (engine start takes seconds), and is set up again by Dask when the Nanny restarts a killed worker.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from distributed import WorkerPlugin, get_worker
@@ -18,9 +21,12 @@ from distributed import WorkerPlugin, get_worker
 from dora_tasks.allocator import relax_malloc_trimming
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import RolloutConfig, TrainConfig
+from dora_tasks.core.config_reward import RewardConfig
+from dora_tasks.episodes import EpisodeSpec
 
 ROLLOUT_PLUGIN = "dora-rollout"
 TRAINER_PLUGIN = "dora-trainer"
+REWARD_MODEL_PLUGIN = "dora-reward-model"
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -42,6 +48,7 @@ class RolloutPlugin(WorkerPlugin):
     weight_store: str
     engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_rollout_engine`)
     clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of groups and busy spans
+    episodes: EpisodeSpec | None = None  # multi-turn episodes with an environment (`dora_tasks.episodes`), if set
     name: str = ROLLOUT_PLUGIN
 
     def setup(self, worker) -> None:
@@ -86,6 +93,7 @@ class TrainerPlugin(WorkerPlugin):
     temperature: float = 1.0  # rollout sampling temperature: behaviour log-probs are taken after it
     engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_train_engine`)
     clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of updates and publishes
+    base_path: str = ""  # where workers read the initial model: the base of train.lora's adapters
     name: str = TRAINER_PLUGIN
 
     def setup(self, worker) -> None:
@@ -116,7 +124,7 @@ class TrainerPlugin(WorkerPlugin):
             self.engine = None
         path = WeightStore(self.weight_store).path_for(version)
         self.engine = make_train_engine(path, self.train, version=version, temperature=self.temperature,
-                                        **self.engine_options)
+                                        base_path=self.base_path, **self.engine_options)
         return self.engine
 
     def get_engine(self, version: int):
@@ -132,6 +140,10 @@ def rollout_server():
 
 def trainer_plugin() -> TrainerPlugin:
     return get_worker().plugins[TRAINER_PLUGIN]
+
+
+def rollout_plugin() -> RolloutPlugin:
+    return get_worker().plugins[ROLLOUT_PLUGIN]
 
 
 def rollout_clock() -> Clock:
@@ -158,3 +170,40 @@ async def hand_over_requests(request_ids: list, dask_worker) -> list[int]:
         return []
     handed = await asyncio.to_thread(server.hand_over, requests=request_ids)
     return sorted(c.sample_index for c in handed)
+
+
+@dataclass
+class RewardModelPlugin(WorkerPlugin):
+    """The reward model (`reward.model`) on workers labelled ``REWARD``, loaded once on first use, behind a batcher
+    that merges the scoring tasks running at once on the worker's threads into shared forward passes."""
+
+    reward: RewardConfig
+    name: str = REWARD_MODEL_PLUGIN
+
+    def setup(self, worker) -> None:
+        self.batcher, self.role = None, "REWARD" if "REWARD" in worker.state.total_resources else ""
+        self._lock = threading.Lock()
+        if self.role:
+            _set_worker_env()
+
+    def scorer(self):
+        """The batcher in front of the model, created (and the model loaded) by the first call."""
+        if not self.role:
+            raise RuntimeError(f"worker {get_worker().address} carries no REWARD label: reward models run only on "
+                               "workers started with --resources \"GPU=1,REWARD=1\"")
+        with self._lock:
+            if self.batcher is None:
+                from dora_tasks.workloads.reward_batcher import ForwardBatcher
+                from dora_tasks.workloads.reward_model import load_reward_model
+
+                model = load_reward_model(self.reward)
+                self.batcher = ForwardBatcher(model.score, self.reward.batch_size, self.reward.batch_window_s)
+        return self.batcher
+
+    def teardown(self, worker) -> None:
+        if getattr(self, "batcher", None) is not None:
+            self.batcher.close()
+
+
+def reward_model_plugin() -> RewardModelPlugin:
+    return get_worker().plugins[REWARD_MODEL_PLUGIN]

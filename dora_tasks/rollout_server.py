@@ -24,6 +24,11 @@ cache keeps that cheap). A response ends at its first eos (kept) or when ``max_n
 * ``0``, static batches: the chunk is the whole response budget, so every response ends in the batch's first chunk
   and nobody joins it midway; requests that arrive meanwhile wait until its longest response ends.
 
+Multi-turn episodes (`dora_tasks.episodes`): each model turn is a request of its own (`generate_turns`: one
+response to an episode's history, at most its turn's `limit` of tokens, ended early where its `stop` says), so turns
+batch with everything else; `hold(version)` keeps the server on one version between an episode's turns (requests
+of other versions wait until no block holds it), so every model token of an episode comes from one version (C1).
+
 Hand-over (DORA's request migration): one response, not a whole group, is what an instance can give away. At the next
 chunk boundary `hand_over` takes running responses out of the batch as `Continuation`s (`dora_tasks.core.handover`);
 the request that owned one is answered with it in place of that sample's `Generation`. `resume` makes a continuation
@@ -34,9 +39,11 @@ the tokens it would have drawn at home.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +51,7 @@ import numpy as np
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
 from dora_tasks.core.handover import Continuation, MigrationCost, Resumed, RowState, check_version
 from dora_tasks.core.records import Generation
+from dora_tasks.rollout_rows import PartialResponse, TurnEnd
 from dora_tasks.version_policy import DispatchVersion, VersionPolicy
 
 CHUNK_SEED_STRIDE = 7919  # a prime: the seeds of a batch's successive chunks do not collide
@@ -58,7 +66,9 @@ class _Request:
     seed: int
     request_id: Hashable = None
     arrival: Continuation | None = None  # a response handed over by another instance (`resume`), n == 1
-    rows: list[_Partial] = field(default_factory=list)  # its responses, once it joined a batch
+    limit: int | None = None  # a model turn of an episode: its own token budget (None: the engine's)
+    stop: TurnEnd | None = None  # a model turn of an episode: where it ends before eos
+    rows: list[PartialResponse] = field(default_factory=list)  # its responses, once it joined a batch
     done: threading.Event = field(default_factory=threading.Event)
     result: list[Generation | Continuation] | None = None
     error: BaseException | None = None
@@ -74,7 +84,7 @@ class _HandOver:
     done: threading.Event = field(default_factory=threading.Event)
     result: list[Continuation] = field(default_factory=list)
 
-    def choose(self, running: list[tuple[_Request, _Partial]]) -> list[tuple[_Request, _Partial]]:
+    def choose(self, running: list[tuple[_Request, PartialResponse]]) -> list[tuple[_Request, PartialResponse]]:
         if self.requests is not None:
             return [(r, s) for r, s in running if r.request_id in self.requests]
         return sorted(running, key=lambda rs: len(rs[1].tokens))[:self.count]
@@ -111,6 +121,7 @@ class RolloutServer:
         self._waiting: list[_Request] = []
         self._orders: list[_HandOver] = []
         self._serving = False  # a batch is being generated (hand-over orders are answered at its chunk boundaries)
+        self._holds: Counter[int] = Counter()  # versions open episodes hold: no other version loads meanwhile
         self._cond = threading.Condition()
         self._closed = False
         self.busy = BusyLog()
@@ -155,14 +166,45 @@ class RolloutServer:
         order.done.wait()
         return order.result
 
-    def _answer(self, request: _Request) -> list[Generation | Continuation]:
+    def generate_turns(self, version: int, weights_path: str, histories: Sequence[Sequence[int]],
+                       seeds: Sequence[int], limits: Sequence[int], stop: TurnEnd | None = None) -> list[Generation]:
+        """One model turn of each of several episodes (`dora_tasks.episodes`), decoded together: one response to
+        each history (prompt and response so far), at most its limit of tokens, ended early by `stop`. Call it
+        inside `hold(version)`, so that no other version loads between an episode's turns."""
+        requests = [_Request(version, weights_path, list(h), 1, seed, limit=limit, stop=stop)
+                    for h, seed, limit in zip(histories, seeds, limits, strict=True)]
+        return [outcome for answers in self._answer_all(requests) for outcome in answers]
+
+    @contextlib.contextmanager
+    def hold(self, version: int) -> Iterator[None]:
+        """Serve no other version than `version` while the block runs: a multi-turn episode asks for each model turn
+        separately, and every one of its tokens must come from one version (C1). Waits while open blocks hold
+        another version."""
         with self._cond:
-            self._waiting.append(request)
+            while self._holds and version not in self._holds and not self._closed:
+                self._cond.wait()
+            self._holds[version] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds[version] -= 1
+                self._holds += Counter()  # drops the versions no block holds any more
+                self._cond.notify_all()
+
+    def _answer(self, request: _Request) -> list[Generation | Continuation]:
+        return self._answer_all([request])[0]
+
+    def _answer_all(self, requests: list[_Request]) -> list[list[Generation | Continuation]]:
+        with self._cond:
+            self._waiting += requests
             self._cond.notify_all()
-        request.done.wait()
-        if request.error is not None:
-            raise request.error
-        return request.result
+        for request in requests:
+            request.done.wait()
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [request.result for request in requests]
 
     def _check_resumable(self, continuation: Continuation) -> None:
         engine = self._engine
@@ -192,7 +234,7 @@ class RolloutServer:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._servable() and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -219,9 +261,13 @@ class RolloutServer:
     def _take_batch(self) -> list[_Request]:
         """The waiting requests that join a batch of the loaded version, or, if none of that version waits, of the
         oldest waiting request's version."""
-        loaded = self.version
-        version = loaded if any(r.version == loaded for r in self._waiting) else self._waiting[0].version
+        loaded, servable = self.version, self._servable()
+        version = loaded if any(r.version == loaded for r in servable) else servable[0].version
         return self._take_joiners(version)
+
+    def _servable(self) -> list[_Request]:
+        """The waiting requests that may be served now: while episodes hold a version (`hold`), only its own."""
+        return [r for r in self._waiting if not self._holds or r.version in self._holds]
 
     def _take_joiners(self, version: int) -> list[_Request]:
         """Waiting requests the policy lets join a batch serving `version` (call with the lock held)."""
@@ -249,7 +295,7 @@ class RolloutServer:
         A session is opened anew (every live row re-encoded) only when the loaded version changed under it
         (`PartialRollout`)."""
         session = None
-        active: list[tuple[_Request, list[_Partial]]] = []
+        active: list[tuple[_Request, list[PartialResponse]]] = []
         pending = list(batch)
         chunk_index = 0
         try:
@@ -270,12 +316,13 @@ class RolloutServer:
             _fail([r for r, _ in active] + pending, exc)
             raise
 
-    def _rows_of(self, request: _Request) -> list[_Partial]:
+    def _rows_of(self, request: _Request) -> list[PartialResponse]:
         """The responses of a request joining the batch: its `n` samples, or the one response it continues."""
         if request.arrival is not None:
-            request.rows = [_Partial.continuing(request.arrival)]
+            request.rows = [PartialResponse.continuing(request.arrival)]
         else:
-            request.rows = [_Partial(request.prompt_ids, i, self._row_stream(request.seed, i)) for i in range(request.n)]
+            request.rows = [PartialResponse(request.prompt_ids, i, self._row_stream(request.seed, i),
+                                            limit=request.limit, stop=request.stop) for i in range(request.n)]
         return request.rows
 
     def _row_stream(self, seed: int, sample_index: int) -> int | None:
@@ -313,12 +360,12 @@ class RolloutServer:
     def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
         """One chunk of every live response: `chunk_tokens`, or the rest of its budget (0: static batches)."""
         chunk = self._chunk or budget
-        steps = {key: min(chunk, budget - len(s.tokens)) for key, s in live.items()}
+        steps = {key: min(chunk, s.room(budget)) for key, s in live.items()}
         start = time.time()
         outs = session.decode(steps, seed)
         self.busy.spans.append((start, time.time()))
         for key, g in outs.items():
-            live[key].extend(g, budget - len(live[key].tokens))
+            live[key].extend(g, live[key].room(budget))
         session.drop([key for key, s in live.items() if s.done(budget)])
 
     def _open_session(self, engine: RolloutEngine) -> DecodeSession:
@@ -381,7 +428,7 @@ class ReencodingSession:
         return MigrationCost.of(continuation, len(ids), seconds)
 
     def decode(self, steps: dict, seed: int) -> dict:
-        keys = list(steps)  # one call: the longest step; a row with less room keeps what fits (`_Partial.extend`)
+        keys = list(steps)  # one call: the longest step; a row with less room keeps what fits (`extend`)
         outs = self.engine.generate([self.rows[k] for k in keys], 1, seed, max_new_tokens=max(steps.values()))
         for key, (g,) in zip(keys, outs):
             self.rows[key] += g.token_ids.tolist()
@@ -392,7 +439,7 @@ class ReencodingSession:
             self.rows.pop(key, None)
 
 
-def _hand_back_finished(active: list[tuple[_Request, list[_Partial]]], budget: int) -> list:
+def _hand_back_finished(active: list[tuple[_Request, list[PartialResponse]]], budget: int) -> list:
     """Answer the requests whose responses all ended; the others stay active."""
     still = []
     for request, states in active:
@@ -404,7 +451,7 @@ def _hand_back_finished(active: list[tuple[_Request, list[_Partial]]], budget: i
     return still
 
 
-def _place(session: DecodeSession, key, s: _Partial) -> None:
+def _place(session: DecodeSession, key, s: PartialResponse) -> None:
     """Put a response into the session: one handed over by another instance is adopted when the session serves its
     version; any other (or one arriving after a version change, `PartialRollout`) is encoded from its prompt and
     tokens so far."""
@@ -417,7 +464,7 @@ def _place(session: DecodeSession, key, s: _Partial) -> None:
         s.migration = MigrationCost.of(arrival, len(s.prompt_ids) + len(s.tokens), float("nan"))
 
 
-def _hand_over_row(session: DecodeSession, request: _Request, s: _Partial, budget: int) -> Continuation:
+def _hand_over_row(session: DecodeSession, request: _Request, s: PartialResponse, budget: int) -> Continuation:
     """Take a running response out of the session as a continuation (it is done here from now on)."""
     row = session.export(id(s))
     s.handed_over = Continuation(
@@ -432,42 +479,3 @@ def _fail(requests: list[_Request], exc: BaseException) -> None:
     for request in requests:
         request.error = exc
         request.done.set()
-
-
-@dataclass
-class _Partial:
-    """One response grown chunk by chunk (under one version, or several in the partial-rollout baseline)."""
-
-    prompt_ids: list[int]
-    sample_index: int = 0
-    stream: int | bytes | None = None  # its own random stream to start from: a seed or a saved state (`row_streams`)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finished: bool = False  # ended with eos
-    arrival: Continuation | None = None  # handed over by another instance, until it is placed in the session
-    migration: MigrationCost | None = None  # what taking it over from another instance cost
-    handed_over: Continuation | None = None  # given away to another instance: done here
-
-    @classmethod
-    def continuing(cls, c: Continuation) -> _Partial:
-        return cls(c.prompt_ids.tolist(), c.sample_index, c.row.sampler, c.token_ids.tolist(), c.logprobs.tolist(),
-                   c.versions.tolist(), arrival=c)
-
-    def done(self, budget: int) -> bool:
-        return self.finished or self.handed_over is not None or len(self.tokens) >= budget
-
-    def outcome(self) -> Generation | Continuation:
-        return self.handed_over if self.handed_over is not None else self.to_generation()
-
-    def extend(self, g: Generation, room: int) -> None:
-        """Append a chunk's tokens (cut at its eos by the engine), at most `room` of them."""
-        keep = min(len(g.token_ids), max(0, room))
-        self.tokens += g.token_ids[:keep].tolist()
-        self.logprobs += g.logprobs[:keep].tolist()
-        self.versions += g.versions[:keep].tolist()
-        self.finished = bool(g.finished and keep == len(g.token_ids))
-
-    def to_generation(self) -> Generation:
-        return Generation(np.array(self.tokens, np.int32), np.array(self.logprobs, np.float32),
-                          np.array(self.versions, np.int32), self.finished)

@@ -1,5 +1,6 @@
-"""The functions Dask runs: rollout (and resume, of a response migrated from another instance), reward, advantage,
-gate, update (with its publish). Thin shells over engines and pure code.
+"""The functions Dask runs: rollout (and resume, of a response migrated from another instance), reward (and the
+reward model's scoring, on a reward worker), advantage, gate, update (with its publish). Thin shells over engines
+and pure code.
 
 Each takes and returns typed records (`dora_tasks.core.records`); the driver submits them with tuple keys, e.g.
 ``("rollout", v, group_id)``, and resource restrictions that place them on the right workers. A rollout task is one
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,13 +32,21 @@ def rollout(group_id: int, prompt: Prompt, version: int, weights_path: str, grou
     """Generate the G responses of one prompt on this instance, all with policy `version`; `shipped`: the version's
     weights as Dask data, copied from a peer worker that holds them (else the engine reads `weights_path`). Running
     responses handed over meanwhile (`hand_over_requests`) come back as continuations (`HandedOver`)."""
-    from dora_tasks.plugins import rollout_clock, rollout_server
+    from dora_tasks.plugins import rollout_clock, rollout_plugin, rollout_server
 
     server, clock = rollout_server(), rollout_clock()
     start = clock.now()
     received = None
     if shipped is not None:
         weights_path, received = shipped.local_folder(), _received(shipped)
+    plugin = rollout_plugin()
+    if plugin.episodes is not None:  # multi-turn: each response is an episode with the environment
+        from dora_tasks.episodes import run_episodes
+
+        trajectories = run_episodes(server, plugin.episodes, _tokenizer(plugin.model_path), prompt, version,
+                                    weights_path, group_size, seed, plugin.rollout.max_new_tokens, group_id)
+        return Group(group_id, prompt, version, get_worker().address, attempt, trajectories, start, clock.now(),
+                     weights=received)
     gens = server.generate(version, weights_path, list(prompt.token_ids), group_size, seed,
                            request_id=request_id(group_id, attempt))
     prompt_ids = np.asarray(prompt.token_ids, dtype=np.int32)
@@ -129,14 +139,24 @@ def _tokenizer(model_path: str):
     return load_tokenizer(model_path)
 
 
+def _reward_fn(spec):
+    """A dotted path is resolved once per worker; a callable comes unpickled with each task (a cache keyed by it would
+    miss, or fail on an unhashable object), and reading its form again is cheap."""
+    if isinstance(spec, str):
+        return _reward_fn_at(spec)
+    from dora_tasks.workloads.rewards import resolve_reward_fn
+
+    return resolve_reward_fn(spec)
+
+
 @functools.lru_cache(maxsize=16)
-def _reward_fn(dotted: str):
+def _reward_fn_at(dotted: str):
     from dora_tasks.workloads.rewards import resolve_reward_fn
 
     return resolve_reward_fn(dotted)
 
 
-def reward(rolled: list[Group | list[ResumedResponse]], model_path: str, reward_fn: str, timeout_s: float,
+def reward(rolled: list[Group | list[ResumedResponse]], model_path: str, reward_fn: str | Callable, timeout_s: float,
            isolation: str, memory_bytes: int) -> list[Group]:
     """Score every response of the groups one instance finished generating in one turn of the driver (a group whose
     responses moved comes as their resumed responses and is put together first) in the given isolation
@@ -146,11 +166,36 @@ def reward(rolled: list[Group | list[ResumedResponse]], model_path: str, reward_
 
     groups = [g if isinstance(g, Group) else assemble_group(g) for g in rolled]
     tokenizer, fn = _tokenizer(model_path), _reward_fn(reward_fn)
-    trajectories = [(g, t) for g in groups for t in g.trajectories]
-    calls = [(g.prompt.text, tokenizer.decode(t.response_ids), g.prompt.answer) for g, t in trajectories]
+    for t in (t for g in groups for t in g.trajectories if not np.isnan(t.env_reward)):
+        t.reward = t.env_reward  # an episode its environment rewarded is not scored by the reward function
+    trajectories = [(g, t) for g in groups for t in g.trajectories if np.isnan(t.env_reward)]
+    calls = [(g.prompt.text, tokenizer.decode(t.response_ids), g.prompt.answer, g.prompt.row_json)
+             for g, t in trajectories]
     for (_, t), (value, error) in zip(trajectories, score_isolated(fn, calls, timeout_s, isolation, memory_bytes)):
         t.reward, t.reward_error = value, error
     return list(groups)
+
+
+# ---- reward model (reward worker, label REWARD) -----------------------------------------------------------------
+def model_reward(groups: list[Group], model_path: str) -> list[Group]:
+    """Score every response of the groups one reward task scored with the reward model (`reward.model`) and combine
+    its score with their rule reward (`reward.combine`). Scoring tasks running at once on this worker share forward
+    passes (the plugin's batcher); each group records where it was scored and its share of the forward time."""
+    from dora_tasks.plugins import reward_model_plugin
+    from dora_tasks.workloads.reward_model import apply_scores, scoring_texts
+
+    plugin = reward_model_plugin()
+    scorer = plugin.scorer()
+    scored = scorer.score(scoring_texts(plugin.reward, groups, _tokenizer(model_path).decode))
+    return apply_scores(plugin.reward, list(groups), scored, get_worker().address, plugin.role)
+
+
+def warm_up_reward_model() -> str:
+    """Load the reward model and score one text before the run's clock starts; returns the worker's address."""
+    from dora_tasks.plugins import reward_model_plugin
+
+    reward_model_plugin().scorer().score(["warm-up"])
+    return get_worker().address
 
 
 # ---- advantage (CPU worker, complete groups) ---------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Prompt
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.model import CharTokenizer, build_model, load_tokenizer, save_policy
-from dora_tasks.workloads import countdown
+from dora_tasks.workloads import calculator, countdown
 from dora_tasks.workloads.datasets import load_prompts
 from dora_tasks.workloads.rewards import score_parallel
 
@@ -55,7 +55,7 @@ def warm_start(cfg: Config, out_dir: str) -> str:
     train, _ = load_prompts(cfg.task, tokenizer, cfg.dora.seed)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.dora.seed)
     start = time.perf_counter()
-    losses = supervised_finetune(model, examples(train, tokenizer), cfg.model.warmstart_steps,
+    losses = supervised_finetune(model, examples(train, tokenizer, demonstrations(cfg.task)), cfg.model.warmstart_steps,
                                  cfg.model.warmstart_lr, cfg.model.warmstart_batch, cfg.dora.seed)
     save_policy(model, tokenizer, out_dir)
     record = {"settings": settings, "seconds": time.perf_counter() - start,
@@ -71,7 +71,8 @@ def warmstart_settings(cfg: Config) -> dict:
     return {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
             "steps": m.warmstart_steps, "lr": m.warmstart_lr, "batch": m.warmstart_batch, "seed": cfg.dora.seed,
             "task": t.name, "dataset": t.dataset, "prompt_key": t.prompt_key, "answer_key": t.answer_key,
-            "num_prompts": t.num_prompts, "max_count": t.max_count, "format": 1}
+            "num_prompts": t.num_prompts, "max_count": t.max_count, "format": 1,
+            **({"tool_demo_every": calculator.TOOL_DEMO_EVERY} if t.name == "arithmetic" else {})}
 
 
 def cached(out_dir: str, settings: dict) -> bool:
@@ -92,10 +93,19 @@ def forget_settings(out_dir: str) -> None:
         pass
 
 
-def examples(prompts: Sequence[Prompt], tokenizer: CharTokenizer) -> list[tuple[list[int], int]]:
+def examples(prompts: Sequence[Prompt], tokenizer: CharTokenizer,
+             demonstrate: Callable[[Prompt], str] = lambda p: p.answer) -> list[tuple[list[int], int]]:
     """(prompt + demonstration + eos token ids, prompt length) per prompt."""
-    return [(list(p.token_ids) + tokenizer.encode(p.answer) + [tokenizer.eos_id], len(p.token_ids))
+    return [(list(p.token_ids) + tokenizer.encode(demonstrate(p)) + [tokenizer.eos_id], len(p.token_ids))
             for p in prompts]
+
+
+def demonstrations(task: TaskConfig) -> Callable[[Prompt], str]:
+    """What the warm start imitates for a prompt: its answer, or for the arithmetic task a tool-using response on
+    some prompts (`calculator.demonstration`)."""
+    if task.name == "arithmetic":
+        return calculator.demonstration
+    return lambda p: p.answer
 
 
 def supervised_finetune(model: torch.nn.Module, data: Sequence[tuple[list[int], int]], steps: int, lr: float,
@@ -196,7 +206,7 @@ def rewards_of(policy, prompts: Sequence[Prompt], reward_fn: RewardFn | None = N
     tokenizer = tokenizer or (load_tokenizer(policy) if isinstance(policy, str) else CharTokenizer())
     reward_fn = reward_fn or countdown.reward
     generations = engine.generate([p.token_ids for p in prompts], 1, seed)
-    calls = [(p.text, tokenizer.decode(g[0].token_ids), p.answer) for p, g in zip(prompts, generations)]
+    calls = [(p.text, tokenizer.decode(g[0].token_ids), p.answer, p.row_json) for p, g in zip(prompts, generations)]
     lanes = min(EVAL_REWARD_LANES, os.cpu_count() or 1)
     scored = score_parallel(reward_fn, calls, reward_timeout_s, reward_isolation, reward_memory_bytes, lanes)
     return np.array([value for value, _ in scored], dtype=np.float32)

@@ -14,8 +14,9 @@ command line's own `UsageError`, any exception class defined in this project (pi
 whose name ends in "Error" and which subclasses ValueError (e.g. `DatasetError`, `RunFolderError`), and the few
 listed in `EXTRA_INPUT_ERRORS` (`ClusterError`: the scheduler address is the user's). A run that stopped for a reason
 its message explains (`RUN_STOPPED_ERRORS`: a trainer that cannot be brought back, a reward function that always
-fails) prints one line too and exits with 1; its folder can be resumed. Everything else is a bug and keeps its
-traceback.
+fails) prints one line too and exits with 1; its folder can be resumed. Ctrl-C stops a run cleanly with one line
+(`dora: stopped (Ctrl-C); continue with: dora resume RUN_DIR`) and exit 130. Everything else is a bug and keeps its
+traceback. `run` and `resume` go through the Python API (`pipelines.api.Pipeline`), like a pipeline built in Python.
 
 Simplified: the heavy modules (pipeline, warm start, store, audit, matplotlib) are imported inside the command that
 needs them, so `dora --help` and `dora config` answer at once.
@@ -104,12 +105,23 @@ def find_store(run_dir: str, store: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- commands
-def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load(args)
-    from pipelines.streaming import run_pipeline
-
-    print(run_pipeline(cfg).to_text())
+def finish(pipeline, method) -> int:
+    """Run `method` of the Python API's `pipeline` (`run` or `resume`) and print its summary; Ctrl-C stops it with
+    one line saying how to go on (the run closed its cluster and store first)."""
+    try:
+        summary = method()
+    except KeyboardInterrupt:
+        print(f"dora: stopped (Ctrl-C); continue with: dora resume {pipeline.run_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary.to_text())
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipelines.api import Pipeline
+
+    pipeline = Pipeline(load(args))
+    return finish(pipeline, pipeline.run)
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
@@ -131,10 +143,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from dora_tasks.core.config import apply_overrides
 
     apply_overrides({}, list(args.overrides))  # malformed overrides fail here, before anything starts
-    from pipelines.streaming import resume_pipeline
+    from pipelines.api import Pipeline
 
-    print(resume_pipeline(run_dir, list(args.overrides)).to_text())
-    return 0
+    pipeline = Pipeline.from_run_dir(run_dir, list(args.overrides))
+    return finish(pipeline, pipeline.resume)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

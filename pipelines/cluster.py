@@ -4,6 +4,8 @@ Embedded default: a SpecCluster of Nanny worker processes on this machine, GPU-l
   rollout-i   ``GPU=1, ROLLOUT=<rollout.slots>``, ``nthreads=<rollout.slots>`` (one per instance)
   trainer     ``GPU=1, TRAINER=1``, ``nthreads=1``
   cpu-i       ``CPU=<cluster.cpu_threads>`` (reward, advantage, gate, evaluation)
+  reward      ``GPU=1, REWARD=1``, ``nthreads=REWARD_THREADS`` (only with `reward.model`: the reward model's scoring;
+              its threads let scoring tasks of several instances wait at once, merged into one forward pass)
 Every socket of the embedded cluster listens on `cluster.host` (loopback by default): a Dask scheduler runs any
 pickled function sent to it. With `cluster.tls_*` set, the driver's client and the embedded cluster speak TLS only.
 A real cluster is launched the same way by hand (see the README, also for its binding and TLS flags):
@@ -11,6 +13,7 @@ A real cluster is launched the same way by hand (see the README, also for its bi
   dask worker tcp://HOST:8786 --nthreads 4 --resources "GPU=1,ROLLOUT=4"     # one per rollout GPU
   dask worker tcp://HOST:8786 --nthreads 1 --resources "GPU=1,TRAINER=1"     # the trainer GPU
   dask worker tcp://HOST:8786 --nthreads 4 --resources "CPU=4"               # reward workers
+  dask worker tcp://HOST:8786 --nthreads 8 --resources "GPU=1,REWARD=1"      # a reward-model GPU (reward.model)
 The driver's client fetches results straight from the workers (``cluster.direct_to_workers``), so the scheduler does
 not relay every group to the driver.
 """
@@ -35,9 +38,15 @@ ROLLOUT, TRAINER, CPU = {"ROLLOUT": 1}, {"TRAINER": 1}, {"CPU": 1}
 # A migrated response continues as one row of its new instance's batch, not in a slot of its own: its resume task
 # asks for the rollout label without taking a slot, and leaves the worker's thread pool while it waits (`secede`).
 ROLLOUT_ROW = {"ROLLOUT": 0}
+# A reward-model scoring task likewise asks for the REWARD label without taking it: the tasks running at once on a
+# reward worker (its threads) are what its batcher merges into one forward pass, so none may hold the label alone.
+REWARD_MODEL = {"REWARD": 0}
+REWARD_THREADS = 8  # embedded reward worker: scoring tasks in flight at once (they mostly wait on the batcher)
 MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
 WORKER_POLL_S = 0.2  # how often the scheduler is asked again while a worker is missing
-ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=1,TRAINER=1)", "cpu": "CPU (CPU=n)"}
+WORKER_PRELOAD = "dora_tasks.worker_preload"  # run in each embedded worker as it starts: Ctrl-C is the driver's
+ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=1,TRAINER=1)", "cpu": "CPU (CPU=n)",
+               "reward": "reward model (GPU=1,REWARD=1)"}
 
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
@@ -61,6 +70,7 @@ class Workers:
     trainer: list[str]
     cpu: list[str]
     paused: dict[str, str] = field(default_factory=dict)  # address -> "role, memory of limit" (no task runs there)
+    reward: list[str] = field(default_factory=list)  # reward-model workers (label REWARD)
 
 
 def _describe_paused(info: dict, role: str) -> str:
@@ -91,13 +101,15 @@ def embedded_cluster(cfg: Config) -> SpecCluster:
     def nanny(nthreads: int, resources: dict[str, float]) -> dict:
         return {"cls": Nanny, "options": {"nthreads": nthreads, "resources": resources, "env": env,
                                           "memory_limit": cfg.cluster.worker_memory, "silence_logs": logging.ERROR,
-                                          **listen}}
+                                          "preload": [WORKER_PRELOAD], **listen}}
 
     slots = cfg.rollout.slots
     workers = {f"rollout-{i}": nanny(slots, {"GPU": 1, "ROLLOUT": slots}) for i in range(cfg.rollout.instances)}
     workers["trainer"] = nanny(1, {"GPU": 1, "TRAINER": 1})
     for i in range(cfg.cluster.cpu_workers):
         workers[f"cpu-{i}"] = nanny(cfg.cluster.cpu_threads, {"CPU": cfg.cluster.cpu_threads})
+    if cfg.reward.model:
+        workers["reward"] = nanny(REWARD_THREADS, {"GPU": 1, "REWARD": 1})
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": cfg.cluster.dashboard_address, **listen}}
     with dask.config.set(EMBEDDED_DASK_CONFIG):  # read by the scheduler and Nannies now, passed on to the workers
         return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, security=sec)
@@ -145,7 +157,7 @@ def _connect_error(cfg: ClusterConfig, exc: BaseException) -> ClusterError:
 def labelled_workers(client: Client) -> Workers:
     """The connected workers by label, asked of the scheduler itself (`client.scheduler_info()` is a cache that the
     client refreshes in the background and can read empty for a moment: every instance would look lost)."""
-    rollout, trainer, cpu, paused = {}, [], [], {}
+    rollout, trainer, cpu, reward, paused = {}, [], [], [], {}
     for address, info in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items():
         res = info.get("resources", {})
         roles = []
@@ -158,9 +170,12 @@ def labelled_workers(client: Client) -> Workers:
         if "CPU" in res:
             cpu.append(address)
             roles.append("CPU worker")
+        if "REWARD" in res:
+            reward.append(address)
+            roles.append("reward-model worker")
         if info.get("status") == "paused":
             paused[address] = _describe_paused(info, " and ".join(roles) or "unlabelled worker")
-    return Workers(rollout, sorted(trainer), sorted(cpu), paused)
+    return Workers(rollout, sorted(trainer), sorted(cpu), paused, sorted(reward))
 
 
 class PausedWorkers:
@@ -191,7 +206,12 @@ def worker_wait_s(cfg: ClusterConfig) -> float:
     return max(MIN_WORKER_WAIT_S, cfg.connect_timeout_s)
 
 
-def wait_for_workers(client: Client, timeout_s: float, roles: tuple[str, ...] = tuple(ROLE_LABELS),
+def required_roles(cfg: Config) -> tuple[str, ...]:
+    """The worker roles a run needs: rollout, trainer and CPU workers, and reward-model workers with `reward.model`."""
+    return ("rollout", "trainer", "cpu") + (("reward",) if cfg.reward.model else ())
+
+
+def wait_for_workers(client: Client, timeout_s: float, roles: tuple[str, ...] = ("rollout", "trainer", "cpu"),
                      then: str = "start workers with `dask worker ADDRESS --resources ...` (see README)") -> Workers:
     """Wait until at least one worker of each of `roles` (keys of `ROLE_LABELS`) is connected; `then` ends the
     error's message: what the user does next."""

@@ -8,6 +8,7 @@ the trajectory store and the only owner of the gate and orchestrator; `pipelines
 Submission placement (Dask resource restrictions):
   rollout, resume -> the instance the orchestrator chose (``workers=[addr]``), ROLLOUT=1 (a slot), =0 (a row)
   reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
+  reward-model (with `reward.model`) -> a reward worker, resource REWARD=0 (the label, no slot: tasks share forwards)
   update (and its publish), checkpoint, restore -> the trainer, resource TRAINER=1
 
 A rollout task is one group; the groups one instance finished since the driver's last turn are scored by one reward
@@ -28,7 +29,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import singledispatchmethod
-from typing import Callable
+from typing import Any, Callable
 
 from distributed import Client, Future, wait
 
@@ -36,7 +37,7 @@ from dora_tasks import steps
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
-from pipelines.cluster import CPU, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
+from pipelines.cluster import CPU, REWARD_MODEL, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
 from pipelines.evaluation import Evaluations
 from pipelines.events import (EvaluationTask, Event, GroupRolledOut, GroupsScored, HandOverTask, Published, ResumeTask,
                               RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
@@ -76,6 +77,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     eval_prompts: list[Prompt]
     checkpoints: CheckpointStore | None = None
     clock: Clock = field(default_factory=Clock)  # every recorded time: wall seconds, or emulated ones (`Clock`)
+    reward_fn: Any = None  # the reward function given in Python (`pipelines.api`); None: task.reward_fn's path
     timeline: Timeline = field(default_factory=lambda: Timeline(time.time()))  # restarted on the clock by warm_up
     tracked: dict[Future, Task] = field(default_factory=dict)  # every future the driver waits on
     in_flight: dict[int, InFlight] = field(default_factory=dict)  # group_id -> its futures, until complete
@@ -103,6 +105,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
     def __post_init__(self) -> None:
         self.shared = SharedWeights(self.client, self.weights)
+        if self.reward_fn is None:
+            self.reward_fn = self.cfg.task.reward_fn
 
     def close(self) -> None:
         self.hand_over_pool.shutdown(wait=False, cancel_futures=True)
@@ -260,8 +264,9 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             self.emit(GroupRolledOut(gid, self.clock.now()))
 
     def submit_scoring(self) -> None:
-        """rollout* -> reward(groups) -> advantage(groups): one pair of tasks per instance for the groups it finished
-        since the last turn (reward and advantage run on CPU workers)."""
+        """rollout* -> reward(groups) [-> reward model(groups)] -> advantage(groups): one chain of tasks per instance
+        for the groups it finished since the last turn (reward and advantage run on CPU workers; with `reward.model`,
+        the model scores them on a REWARD worker in between)."""
         by_instance: dict[str, list[int]] = {}
         for gid in self.unscored:
             if gid in self.in_flight:  # not given up on since (its instance died)
@@ -273,9 +278,12 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             self.scoring_batches += 1
             n = self.scoring_batches
             rolled = [self.in_flight[g].scoring_input() for g in gids]
-            rewarded = self.client.submit(steps.reward, rolled, self.model_path, t.reward_fn, t.reward_timeout_s,
+            rewarded = self.client.submit(steps.reward, rolled, self.model_path, self.reward_fn, t.reward_timeout_s,
                                           t.reward_isolation, t.reward_memory_bytes,
                                           key=("reward", n), resources=CPU, pure=False)
+            if self.cfg.reward.model:  # the reward model, on its own worker, combined with the rule reward
+                rewarded = self.client.submit(steps.model_reward, rewarded, self.model_path, key=("reward-model", n),
+                                              resources=REWARD_MODEL, pure=False)
             scored = self.client.submit(steps.advantage, rewarded, a.advantage, a.filter_degenerate,
                                         key=("advantage", n), resources=CPU, pure=False)
             for g in gids:

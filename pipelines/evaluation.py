@@ -20,7 +20,7 @@ EVALUATION_PRIORITY = -10  # evaluations wait behind the pipeline's own CPU task
 
 class Evaluations:
     """Needs the driver's `cfg`, `client`, `weights`, `eval_prompts`, `model_path`, `tracked`, `accuracy`,
-    `counters`, `track`, `emit` and `retain_weights`."""
+    `counters`, `track`, `emit`, `retain_weights` and `reward_fn`."""
 
     def evaluation_due(self, version: int) -> bool:
         interval = self.cfg.task.eval_interval
@@ -30,9 +30,9 @@ class Evaluations:
         return [f for f, t in self.tracked.items() if isinstance(t, EvaluationTask)]
 
     def submit_evaluation(self, version: int, attempt: int = 0) -> None:
-        t = self.cfg.task
+        t, seed = self.cfg.task, self.cfg.dora.seed
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
-                                    self.model_path, t.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.dora.seed,
+                                    self.model_path, self.reward_fn, self.cfg.rollout.max_new_tokens, seed,
                                     t.reward_timeout_s, t.reward_isolation, t.reward_memory_bytes,
                                     key=("evaluate", version) + ((attempt,) if attempt else ()), resources=CPU,
                                     pure=False, priority=EVALUATION_PRIORITY)

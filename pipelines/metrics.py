@@ -72,6 +72,8 @@ def update_metrics(update: int, groups, result, tl: Timeline, live_versions: int
     metrics["tokens_per_s"] = metrics["tokens"] / max(1e-9, metrics["step_time_s"])
     metrics.update(peer_weight_metrics(groups))
     metrics.update(migration_metrics(groups))
+    metrics.update(episode_metrics(groups))
+    metrics.update(reward_model_metrics(groups))
     return metrics
 
 
@@ -91,6 +93,37 @@ def migration_metrics(groups) -> dict[str, float]:
     return {"migrations": float(len(moves)), "migration_bytes": float(sum(m.nbytes for m in moves)),
             "migration_s": float(np.nansum([m.seconds for m in moves])) if moves else 0.0,
             "migration_reprefill_tokens": float(sum(m.reprefill_tokens for m in moves))}
+
+
+def reward_model_metrics(groups) -> dict[str, float]:
+    """How the reward model (`reward.model`) scored this batch's groups, and where: responses scored, their share
+    of the forward time, responses per forward second, the mean forward batch (responses) and the most scoring
+    tasks one forward merged, the mean model score, and the share scored on REWARD-labelled workers (none: {})."""
+    scored = [g.reward_model for g in groups if g.reward_model is not None]
+    if not scored:
+        return {}
+    responses = sum(len(s.scores) for s in scored)
+    seconds = sum(s.seconds for s in scored)
+    sizes = [size for s in scored for size in s.batch_sizes]
+    return {"reward_model_responses": float(responses), "reward_model_s": seconds,
+            "reward_model_responses_per_s": responses / seconds if seconds > 0 else float("nan"),
+            "reward_model_batch_mean": float(np.mean(sizes)) if sizes else float("nan"),
+            "reward_model_tasks_per_batch_max": float(max(s.tasks_per_batch for s in scored)),
+            "reward_model_score_mean": float(np.mean([x for s in scored for x in s.scores])),
+            "reward_model_on_reward_workers": sum(len(s.scores) for s in scored if s.role == "REWARD") / responses,
+            "reward_model_workers": float(len({s.worker for s in scored}))}
+
+
+def episode_metrics(groups) -> dict[str, float]:
+    """Multi-turn episodes of this batch (`task.environment`): model turns per trajectory on the mean, tool calls
+    (in all and per trajectory), environment tokens, and environment failures (count and share of trajectories)."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    n = max(1, len(trajectories))
+    tools = sum(t.tool_calls for t in trajectories)
+    failed = sum(1 for t in trajectories if t.env_error)
+    return {"turns_mean": sum(t.turns for t in trajectories) / n, "tool_calls": float(tools),
+            "tool_calls_mean": tools / n, "env_failures": float(failed), "env_failure_share": failed / n,
+            "environment_tokens": float(sum(int((t.loss_mask == 0).sum()) for t in trajectories))}
 
 
 def reward_errors(groups) -> list[str]:

@@ -1,14 +1,19 @@
 """Opening and closing a run; the driver (`pipelines.driver`) runs it in between.
 
-`open_run(cfg)` validates everything that can be checked before work starts (config, run folder, reward function,
-dataset, engines), then starts the cluster and checks its labels, and only then writes into the run folder: the
-stores, MLflow, the driver with its observers (MLflow tracking and the live view), the engines' warm-up.
+`open_run(cfg)` validates everything that can be checked before work starts (`prepare_run`: config, run folder,
+reward function, environment, dataset, engines), then starts the cluster, or attaches to the client given
+(`RunInputs`, from `pipelines.api`), with engine and library output going to the run's log file (`RunLog`), checks
+its labels, and only then writes into the run folder: the rows given in Python, the stores, MLflow, the driver with
+its observers (MLflow tracking and the live view), the engines' warm-up.
 `Run.finish()` waits for the final evaluation, audits the store, draws the plots and returns a `RunSummary`. On any
-exit the trajectory store is flushed and closed, so nothing already produced is lost.
+exit (Ctrl-C too) the trajectory store is flushed and closed and the cluster closed, so nothing already produced is
+lost and the folder can be resumed.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,16 +31,20 @@ from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config, apply_overrides, config_from_dict
 from dora_tasks.engines.preflight import check_engines
 from dora_tasks.model import CharTokenizer, load_tokenizer
-from dora_tasks.workloads.datasets import load_prompts
+from dora_tasks.episodes import EpisodeSpec
+from dora_tasks.workloads.datasets import load_prompts, rows_to_prompts, split_eval
 from dora_tasks.workloads.rewards import check_reward_fn
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans
-from pipelines.cluster import TRAINER, connect, wait_for_workers, worker_wait_s
+from pipelines.cluster import TRAINER, connect, required_roles, wait_for_workers, worker_wait_s
 from pipelines.driver import POLL_S, Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
 from pipelines.gate import VersionGate
+from pipelines.inputs import RunInputs, UserCode, check_same_rows, write_rows
 from pipelines.live import LiveView
 from pipelines.metrics import summary as timing_summary
 from pipelines.orchestrator import Orchestrator
+from pipelines.reward_workers import reward_model_summary, start_reward_model
+from pipelines.run_log import RunLog, log_path
 from pipelines.switching import switching_named
 from pipelines.tracking import Tracker
 from storage import objectstore
@@ -45,6 +54,8 @@ from storage.weight_store import WeightStore
 
 log = logging.getLogger("dora")
 CONFIG_FILE = "config.yaml"
+CLUSTER_CLOSE_S = 60.0  # a loaded machine takes a while to stop engine-holding workers
+AUDIT_VERDICTS = ("C1 ", "C2 ", "C3 ", "reward failures", "episodes")  # the audit's lines a passing summary shows
 
 
 class RunFolderError(ValueError):
@@ -71,8 +82,12 @@ class RunSummary:
                  f"MLflow UI:        {self.ui_command}",
                  f"held-out accuracy: {acc}"]
         lines += [f"{k}: {v:.4g}" for k, v in self.metrics.items()]
-        lines += [f"plots: {', '.join(self.plots)}", "audit: " + ("PASS" if self.audit_ok else "FAIL"), self.audit_text]
-        return "\n".join(lines)
+        lines += [f"plots: {', '.join(self.plots)}", f"run log: {log_path(self.run_dir)}",
+                  "audit: " + ("PASS" if self.audit_ok else "FAIL")]
+        if not self.audit_ok:  # every violation, as the audit reports it
+            return "\n".join(lines + [self.audit_text])
+        verdicts = [line for line in self.audit_text.splitlines() if line.startswith(AUDIT_VERDICTS)]
+        return "\n".join(lines + verdicts + [f"full audit: dora audit {self.store}"])
 
 
 @dataclass
@@ -109,6 +124,8 @@ class Run:
 
         report = audit_store(cfg.storage.resolved("trajectory_store"), cfg.dora.max_staleness)
         metrics.update(migration_summary(TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))))
+        metrics.update(reward_model_summary(TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))
+                                            .read_table("updates")))
         plots = self._plots()
         self.tracker.log_update(cfg.dora.num_updates, {f"summary/{k}": v for k, v in metrics.items()})
         self.tracker.log_text("audit.txt", report.to_text())
@@ -176,10 +193,10 @@ def live_observer(live: LiveView):
     return observe
 
 
-def live_view(cfg: Config, clock: Clock) -> LiveView:
+def live_view(cfg: Config, clock: Clock, terminal=None) -> LiveView:
     """The status line on the run's clock (its elapsed time and rates in emulated seconds under emulated engines,
-    said once above it), redrawn as often in wall time either way."""
-    live = LiveView(cfg.tracking.live_view, clock=clock.now)
+    said once above it), redrawn as often in wall time either way, on `terminal` (default stderr)."""
+    live = LiveView(cfg.tracking.live_view, stream=terminal, clock=clock.now)
     live.min_interval_s = clock.span(live.min_interval_s)
     if clock.emulated:
         live.event(f"EMULATED engines: every time and rate shown is in {clock.unit}")
@@ -226,18 +243,29 @@ def publish_initial(weights: WeightStore, model_path: str) -> None:
 
 def engine_options(cfg: Config) -> dict:
     """What the configured engines need besides their own config section: the emulated ones, the cost model's
-    settings and the seed of the workload's lengths."""
-    return {"emulation": cfg.emulation, "seed": cfg.dora.seed} if cfg.emulated else {}
+    settings and the seed of the workload's lengths; vLLM under train.lora, the adapters' rank (it sizes their slots
+    at start; the transformers engine merges adapters and needs nothing)."""
+    if cfg.emulated:
+        return {"emulation": cfg.emulation, "seed": cfg.dora.seed}
+    return {"max_lora_rank": cfg.train.lora.rank} if cfg.train.lora.enabled and cfg.rollout.engine == "vllm" else {}
 
 
-def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str, clock: Clock) -> None:
+def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str, clock: Clock,
+                     code: UserCode | None = None) -> None:
+    """The engines' plugins on every worker; with an environment (given in Python, or task.environment), rollouts
+    are multi-turn episodes."""
     options = engine_options(cfg)
-    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock))
-    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock))
+    episodes = EpisodeSpec.of(cfg.task)
+    if episodes is not None and code is not None and code.environment:
+        episodes = dataclasses.replace(episodes, environment=code.environment)
+    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock, episodes=episodes))
+    client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock,
+                                         base_path=model_path))
 
 
 # ---- opening a run -----------------------------------------------------------------------------------------------
-def _resolve_for_resume(run_dir: str, overrides: list[str]) -> Config:
+def saved_config(run_dir: str, overrides: list[str]) -> Config:
+    """The configuration a run folder holds, with `overrides` on top (what `dora resume` continues with)."""
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise RunFolderError(f"{run_dir!r} holds no run to resume (no {CONFIG_FILE}); start one with `dora run`")
@@ -246,7 +274,9 @@ def _resolve_for_resume(run_dir: str, overrides: list[str]) -> Config:
             data = yaml.safe_load(f)
     except yaml.YAMLError as exc:
         raise RunFolderError(f"{path} is not valid YAML, so {run_dir!r} cannot be resumed: {exc}") from None
-    return config_from_dict(apply_overrides(data if isinstance(data, dict) else {}, overrides))
+    cfg = config_from_dict(apply_overrides(data if isinstance(data, dict) else {}, overrides))
+    cfg.storage.run_dir = run_dir
+    return cfg
 
 
 def _store_meta(cfg: Config) -> dict:
@@ -292,31 +322,88 @@ def _checkpoint_to_resume(checkpoints: CheckpointStore):
     return ckpt
 
 
-@contextlib.contextmanager
-def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | None = None):
-    """Check everything cheap first (config, run folder, reward, dataset, engines), then start the cluster and
-    check its labels, and only then write into the run folder."""
+@dataclass
+class Prepared:
+    """What `prepare_run` checked and read before any cluster starts."""
+
+    cfg: Config
+    code: UserCode
+    train_prompts: list
+    eval_prompts: list
+    checkpoints: CheckpointStore
+    ckpt: object = None  # the checkpoint to resume from; None: from the start
+
+
+def prepare_run(cfg: Config | None, resume_dir: str, overrides: list[str], inputs: RunInputs) -> Prepared:
+    """Check everything cheap, before any cluster starts: config, run folder, reward, environment, dataset,
+    engines."""
     if resume_dir:
-        cfg = _resolve_for_resume(resume_dir, overrides or [])
-        cfg.storage.run_dir = resume_dir
+        cfg = saved_config(resume_dir, overrides)
+    code = inputs.code(cfg)
+    check_reward_fn(code.reward)
+    if code.environment:
+        from dora_tasks.workloads.environments import check_environment
+
+        check_environment(code.environment)
     checkpoints = CheckpointStore(cfg.storage.resolved("checkpoint_store"))
-    check_reward_fn(cfg.task.reward_fn)
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else CharTokenizer()
-    train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed, cfg.emulation)
-    check_engines(cfg, cfg.model.path or None, train_prompts)  # before any cluster starts
-    ckpt = _checkpoint_to_resume(checkpoints) if resume_dir else None
+    if inputs.rows is None:
+        train_prompts, eval_prompts = load_prompts(cfg.task, tokenizer, cfg.dora.seed, cfg.emulation)
+    else:
+        if resume_dir:
+            check_same_rows(inputs.rows, cfg.task.dataset)
+        prompts = rows_to_prompts(inputs.rows, cfg.task, tokenizer, source="the dataset rows given")
+        train_prompts, eval_prompts = split_eval(prompts, cfg.task.eval_prompts, cfg.dora.seed)
+    check_engines(cfg, cfg.model.path or None, train_prompts)
     if not resume_dir and objectstore.exists(cfg.storage.resolved("trajectory_store")):
         raise RunFolderError(f"storage.run_dir {cfg.storage.run_dir!r} already holds a run; resume it with "
                              f"`dora resume {cfg.storage.run_dir}` or choose another storage.run_dir")
-    stack = contextlib.ExitStack()
-    with stack:
-        cluster, client = connect(cfg)
-        if cluster is not None:
-            stack.callback(cluster.close)
-        stack.callback(client.close)
-        wait_for_workers(client, worker_wait_s(cfg.cluster))
+    ckpt = _checkpoint_to_resume(checkpoints) if resume_dir else None
+    return Prepared(cfg, code, train_prompts, eval_prompts, checkpoints, ckpt)
+
+
+def attach(stack: contextlib.ExitStack, cfg: Config, client: Client | None) -> Client:
+    """The client given (left open), else one on the embedded cluster or `cluster.scheduler_address` (closed with
+    `stack`)."""
+    if client is not None:
+        return client
+    cluster, client = connect(cfg)
+    if cluster is not None:
+        stack.callback(close_cluster, cluster)
+    stack.callback(client.close)
+    return client
+
+
+def close_cluster(cluster) -> None:
+    """Close the embedded cluster; on a machine too busy to close it in time, one warning instead of a traceback
+    that would hide the run's own outcome (the Nannies have killed their worker processes by then)."""
+    try:
+        cluster.close(timeout=CLUSTER_CLOSE_S)
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        log.warning("the embedded cluster did not close within %.0f s (%s); its worker processes were killed",
+                    CLUSTER_CLOSE_S, type(exc).__name__)
+
+
+@contextlib.contextmanager
+def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | None = None,
+             inputs: RunInputs | None = None):
+    """`prepare_run`, then start the cluster (engine and library output to the run's log file) and check its
+    labels, and only then write into the run folder."""
+    inputs = inputs or RunInputs()
+    p = prepare_run(cfg, resume_dir, overrides or [], inputs)
+    cfg, ckpt = p.cfg, p.ckpt
+    with contextlib.ExitStack() as stack:
+        run_log = stack.enter_context(RunLog(cfg.storage.run_dir, cfg.tracking.log_file))
+        try:
+            client = attach(stack, cfg, inputs.client)
+            wait_for_workers(client, worker_wait_s(cfg.cluster), required_roles(cfg))
+        except BaseException:
+            run_log.discard()  # nothing of the run is written before its cluster answers
+            raise
+        if inputs.rows is not None and not resume_dir:
+            write_rows(inputs.rows, cfg.task.dataset)  # at task.dataset: the warm start and a resume read them there
         model_path = initial_policy(cfg)
-        check_engines(cfg, model_path, train_prompts)  # again, with the real initial policy
+        check_engines(cfg, model_path, p.train_prompts)  # again, with the real initial policy
         weights = WeightStore(cfg.storage.resolved("weight_store"))
         if ckpt is not None:
             gate, orch, store = _resumed_state(cfg, ckpt)
@@ -326,25 +413,31 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         publish_initial(weights, model_path)
         model_path = weights.share_initial(model_path, overwrite=not resume_dir)  # on an object store: a copy there
         clock = cfg.clock(origin=time.time())
-        register_plugins(client, cfg, weights.root, model_path, clock)
-        print(f"dora: Dask dashboard {client.dashboard_link}", flush=True)
+        register_plugins(client, cfg, weights.root, model_path, clock, p.code)
+        start_reward_model(client, cfg)  # with `reward.model`: loaded on its workers before the clock starts
+        run_log.say(f"Dask dashboard {client.dashboard_link}")
         tracker = stack.enter_context(Tracker(cfg, resume=bool(resume_dir)))
-        live = live_view(cfg, clock)
+        live = live_view(cfg, clock, run_log.terminal)
         stack.callback(live.close)
-        driver = Driver(cfg, client, gate, orch, store, weights, model_path, train_prompts, eval_prompts, checkpoints,
-                        clock=clock)
+        driver = Driver(cfg, client, gate, orch, store, weights, model_path, p.train_prompts, p.eval_prompts,
+                        p.checkpoints, clock=clock, reward_fn=p.code.reward)
         stack.callback(driver.close)
-        run = Run(cfg, driver, tracker, live, checkpoints)
-        if ckpt is not None:
-            _restore(run, ckpt)
-        elif resume_dir:
-            driver.retain_weights(drop_unseen=True)  # started again: versions of the stopped attempt go
-        run.log_kept_updates()
-        driver.subscribe(tracking_observer(tracker))
-        driver.subscribe(live_observer(live))
-        driver.sync_instances()
-        driver.warm_up()  # engines loaded and the current version evaluated before the clock starts
-        yield run
+        yield _started(Run(cfg, driver, tracker, live, p.checkpoints), ckpt, bool(resume_dir))
+
+
+def _started(run: Run, ckpt, resumed: bool) -> Run:
+    """The run restored (from `ckpt`, or started again), observed, and its engines warm."""
+    driver = run.driver
+    if ckpt is not None:
+        _restore(run, ckpt)
+    elif resumed:
+        driver.retain_weights(drop_unseen=True)  # started again: versions of the stopped attempt go
+    run.log_kept_updates()
+    driver.subscribe(tracking_observer(run.tracker))
+    driver.subscribe(live_observer(run.live))
+    driver.sync_instances()
+    driver.warm_up()  # engines loaded and the current version evaluated before the clock starts
+    return run
 
 
 def _restore(run: Run, ckpt) -> None:

@@ -2,6 +2,7 @@
 
     prompts ──► rollout(v)* ──► reward(groups) ──► advantage(groups) ──► gate(u) ──► update(u) + publish(u+1)
                   ROLLOUT            CPU                 CPU                 CPU        TRAINER
+                                      └─► reward-model(groups) ─┘ REWARD, with `reward.model`
 
 The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
 version, move idle instances and (`rollout.switching=migrate`) move running responses between instances of their
@@ -35,22 +36,23 @@ def stream(d: Driver, on_turn=None) -> None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         for future in d.wait_any(TICK_S):  # whichever finishes first
             d.on_done(future)
-        d.submit_scoring()  # the groups that finished rolling out -> reward -> advantage
+        d.submit_scoring()  # the groups that finished rolling out -> reward [-> reward model] -> advantage
         d.end_turn()
         if on_turn is not None:
             on_turn(d)
 
 
-def run_pipeline(cfg) -> "RunSummary":  # noqa: F821
-    """Run a job from scratch; returns its summary (paths, metrics, audit)."""
-    with open_run(cfg) as run:
+def run_pipeline(cfg, inputs=None) -> "RunSummary":  # noqa: F821
+    """Run a job from scratch; returns its summary (paths, metrics, audit). `inputs`: the Python objects of
+    `pipelines.api.Pipeline` (`RunInputs`)."""
+    with open_run(cfg, inputs=inputs) as run:
         stream(run.driver)
         return run.finish()
 
 
-def resume_pipeline(run_dir: str, overrides: list[str] | None = None) -> "RunSummary":  # noqa: F821
+def resume_pipeline(run_dir: str, overrides: list[str] | None = None, inputs=None) -> "RunSummary":  # noqa: F821
     """Continue a run from its last checkpoint (the driver was killed, or its trainer died)."""
-    with open_run(None, resume_dir=run_dir, overrides=overrides or []) as run:
+    with open_run(None, resume_dir=run_dir, overrides=overrides or [], inputs=inputs) as run:
         stream(run.driver)
         return run.finish()
 

@@ -100,6 +100,8 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "dora.code_version": code_version(),
         "dora.clock": cfg.clock(0.0).unit,  # every time and rate of the run: wall or EMULATED seconds
         "dora.emulated": str(cfg.emulated).lower(),
+        "dora.reward_model": f"{cfg.reward.kind} {cfg.reward.model} ({cfg.reward.combine})" if cfg.reward.model
+        else "none",  # scored on REWARD workers: the reward_model_* metrics say where and how fast
         "dora.run_dir": str(Path(cfg.storage.run_dir).resolve()),
     }
 

@@ -6,7 +6,8 @@ a version, until one of them has finished there, take that key as an argument, s
 before they start, from whichever worker holds it: the reader, or an instance that already received it (Dask
 spreads its copies among the holders). Each copy is timed by the receiving worker and recorded with its group
 (`Group.weights`, the update metrics `weights_peer_*`). Should every holder die, Dask runs the read again: the store
-is the fallback. A version's key is released when the weight store lets the version go.
+is the fallback. A version's key is released when the weight store lets the version go. Under `train.lora` a
+version's folder is its adapter, so the copies move the adapter alone (instances hold the base from their start).
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Audit a run from its trajectory store alone: the correctness claims C1-C3 and the multi-version timeline.
 
-- C1, one version per trajectory: every response token carries the version its group was dispatched on (a
-  trajectory whose tokens hold two versions was generated across a weight swap). A response that migrated between
-  rollout instances is checked like any other, and each migration too: the instance that handed it over and the
-  one that continued it both served the dispatch version (`migrations` table, schema version 2).
+- C1, one version per trajectory: every response token the model produced carries the version its group was
+  dispatched on (a trajectory whose tokens hold two versions was generated across a weight swap). The tokens an
+  environment added to a multi-turn episode (loss mask 0, schema version 3) carry no policy version: they must
+  carry -1 (`environment_token_version` otherwise), and are left out of the version check. A response that
+  migrated between rollout instances is checked like any other, and each migration too: the instance that handed
+  it over and the one that continued it both served the dispatch version (`migrations` table, schema version 2).
 - C2, each dispatched group consumed exactly once and whole: the latest attempt of every dispatched group is consumed
   by one update, with exactly G trajectories, sample_idx 0..G-1, no duplicates; nothing consumed that was never
   dispatched. A group that is not consumed is *lost* only if an update `u > v + K` ran (the version gate would have
@@ -30,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dora_tasks.core.records import ENVIRONMENT_VERSION
 from storage.schema import StoreError
 from storage.trajectory_store import TrajectoryStore
 
@@ -62,6 +65,8 @@ class AuditReport:
     update_versions: dict[int, dict[int, int]] = field(default_factory=dict)  # update -> version -> groups
     filtered: dict[str, int] = field(default_factory=dict)  # filter name -> consumed groups
     reward_errors: dict[str, int] = field(default_factory=dict)
+    env_errors: dict[str, int] = field(default_factory=dict)  # environment failures that ended an episode
+    episodes: dict[str, float] = field(default_factory=dict)  # turns per trajectory, tool calls, environment tokens
     in_flight_groups: list[int] = field(default_factory=list)
     versions_live_concurrently: int = 0
     max_versions_per_instance: int = 0
@@ -146,6 +151,11 @@ def _count(report: AuditReport, dispatch: dict, traj: dict, updates: dict) -> No
     }
     errors = Counter(str(e) for e in traj["reward_error"] if e)
     report.reward_errors = dict(errors.most_common())
+    report.env_errors = dict(Counter(str(e) for e in traj["env_error"] if e).most_common())
+    turns = traj["turns"].astype(np.int64)
+    report.episodes = {"multi_turn_trajectories": int((turns > 1).sum()),
+                       "turns_mean": float(turns.mean()) if len(turns) else 0.0,
+                       "tool_calls": int(traj["tool_calls"].astype(np.int64).sum()), "environment_tokens": 0}
 
 
 def _check_c1(report: AuditReport, store: TrajectoryStore, dispatch: dict, traj: dict) -> None:
@@ -155,12 +165,15 @@ def _check_c1(report: AuditReport, store: TrajectoryStore, dispatch: dict, traj:
     expected = np.array([dispatched.get((g, a), v) for g, a, v in zip(
         traj["group_id"].tolist(), traj["attempt"].tolist(), traj["version"].tolist())], dtype=np.int64)
     n = len(expected)
-    mixed, mismatch = [], []
+    mixed, mismatch, unmarked = [], [], []
     for lo in range(0, n, BLOCK_ROWS):
         rows = np.arange(lo, min(n, lo + BLOCK_ROWS))
-        vmin, vmax, has = _version_range(store.read_ragged("token_versions", rows))
+        versions, masks = store.read_ragged("token_versions", rows), store.read_ragged("loss_mask", rows)
+        vmin, vmax, has = _version_range([v[m == 1] for v, m in zip(versions, masks)])
         mixed.extend(rows[has & (vmin != vmax)])
         mismatch.extend(rows[has & ((vmin != expected[rows]) | (vmax != expected[rows]))])
+        unmarked.extend(r for r, v, m in zip(rows, versions, masks) if (v[m == 0] != ENVIRONMENT_VERSION).any())
+        report.episodes["environment_tokens"] += int(sum(int((m == 0).sum()) for m in masks))
     field_mismatch = np.flatnonzero(traj["version"] != expected)
     _add(report, "C1", "mixed_version_trajectories", _pairs(traj, mixed),
          "trajectories whose response tokens carry more than one version")
@@ -168,6 +181,8 @@ def _check_c1(report: AuditReport, store: TrajectoryStore, dispatch: dict, traj:
          "trajectories with a token version other than their group's dispatch version")
     _add(report, "C1", "group_version_mismatch", _pairs(traj, field_mismatch),
          "trajectory rows whose version field differs from their dispatch row's version")
+    _add(report, "C1", "environment_token_version", _pairs(traj, unmarked),
+         f"trajectories with environment tokens (loss mask 0) carrying a policy version, not {ENVIRONMENT_VERSION}")
 
 
 def _check_migrations(report: AuditReport, dispatch: dict, traj: dict, migrations: dict) -> None:
@@ -347,6 +362,7 @@ def _text_lines(r: AuditReport) -> list[str]:
         f"C2 every group consumed once and whole: {_clause_status(r, 'C2')}{unchecked}",
         f"   filtered groups: {r.filtered or 'none'}",
         _reward_failure_line(r),
+        _episode_line(r),
         f"C3 staleness <= K: {_clause_status(r, 'C3')}{unchecked}; max staleness {r.max_staleness_seen}",
         "   staleness histogram (trajectories):",
     ]
@@ -369,6 +385,15 @@ def _reward_failure_line(r: AuditReport) -> str:
     share = f" ({failed / total:.0%} of trajectories{', EVERY reward failed' if failed == total else ''})" \
         if total else ""
     return f"reward failures: {failed}{share}; by error: {r.reward_errors}"
+
+
+def _episode_line(r: AuditReport) -> str:
+    """Multi-turn episodes: how many, their turns and tool calls, the environment's tokens and failures."""
+    e = r.episodes
+    failures = f"{sum(r.env_errors.values())}, by error: {r.env_errors}" if r.env_errors else "none"
+    return (f"episodes: {e.get('multi_turn_trajectories', 0)} multi-turn trajectories, turns per trajectory "
+            f"{e.get('turns_mean', 0.0):.2f} on the mean, tool calls {e.get('tool_calls', 0)}, environment tokens "
+            f"{e.get('environment_tokens', 0)}; environment failures: {failures}")
 
 
 def _histogram_lines(hist: dict[int, int], width: int = 40) -> list[str]:

@@ -157,10 +157,16 @@ def _cache_dir() -> str:
 
 
 def _evict(cache: str, keep: str) -> None:
-    entries = [e for e in os.scandir(cache) if e.is_dir() and not e.name.startswith(".") and e.name != keep]
-    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
-    for entry in entries[CACHE_KEEP - 1:]:
-        shutil.rmtree(entry.path, ignore_errors=True)
+    entries = []
+    for entry in os.scandir(cache):
+        if entry.is_dir() and not entry.name.startswith(".") and entry.name != keep:
+            try:
+                entries.append((entry.stat().st_mtime, entry.path))
+            except FileNotFoundError:  # another task thread of this worker evicted it between the listing and here
+                continue
+    entries.sort(reverse=True)
+    for _, path in entries[CACHE_KEEP - 1:]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,10 @@
 `trajectory_store.py` builds and checks stores from these declarations and `docs/storage-schema.md` documents them
 (a test checks that every column named here appears there). Bump `SCHEMA_VERSION` whenever an array is added,
 removed, renamed or changes dtype or meaning; stores of another version are refused, never migrated silently, except
-that a version-1 store (no migrations table) is read as one with an empty migrations table and is given that table
-when it is opened for appending (`TABLES_SINCE`).
+that a version-1 store (no migrations table) is read as one with an empty migrations table, and a store older than
+version 3 (single-turn only: no loss mask, turns, tool calls or environment errors) as one whose every response token
+is the model's, with one turn and no tool call; each is given what it lacks when it is opened for appending
+(`TABLES_SINCE`, `ARRAYS_SINCE`: an added array reads its `fill` on the rows written before it existed).
 
 Layout (zarr v3 group):
     /                       attrs: format, schema_version, meta, committed, vocab, metric_names
@@ -12,21 +14,25 @@ Layout (zarr v3 group):
     /trajectories/<column>  one row per consumed trajectory (group fields repeated on each of its rows)
     /updates/<column>       one row per update; /updates/metrics is 2-D [rows, len(metric_names)]
     /migrations/<column>    one row per response handed over from one rollout instance to another (version 2)
+    /ragged/loss_mask       which response tokens the model produced (1) and which an environment did (version 3)
     /ragged/<name>          flat per-token arrays; row i of trajectories owns [start_i, start_i + length_i)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 FORMAT_NAME = "dora-trajectory-store"
 TABLES = ("dispatch", "trajectories", "updates", "migrations")
 TABLES_SINCE = {"migrations": 2}  # tables added after version 1: a store of an older version has none
+ARRAYS_SINCE = {"trajectories/turns": 3, "trajectories/tool_calls": 3, "trajectories/env_error": 3,
+                "ragged/loss_mask": 3}  # arrays added to existing tables: older stores read their fill value
 METRICS_ARRAY = "metrics"  # 2-D float64 array in the updates group, one column per name in attrs["metric_names"]
-VOCAB_COLUMNS = ("instance", "filtered", "reward_error")  # the vocabularies in attrs["vocab"]
+VOCAB_COLUMNS = ("instance", "filtered", "reward_error", "env_error")  # the vocabularies in attrs["vocab"]
 CODED_COLUMNS = {"instance": "instance", "filtered": "filtered", "reward_error": "reward_error",
-                 "source": "instance", "target": "instance"}  # int16 code column -> its vocabulary
+                 "env_error": "env_error", "source": "instance", "target": "instance"}  # int16 code -> vocabulary
+ERROR_COLUMNS = ("reward_error", "env_error")  # stored as `short_error`, at most REWARD_ERROR_MAX_VOCAB distinct
 REWARD_ERROR_MAX_CHARS = 80  # reward errors are stored as their first line, cut to this length
 REWARD_ERROR_MAX_VOCAB = 256  # distinct reward-error strings kept; later ones are coded as OTHER_ERROR
 OTHER_ERROR = "<other>"
@@ -75,6 +81,7 @@ class RaggedArray:
     start_column: str  # trajectories column holding the row's first index into the flat array
     length_columns: tuple[str, ...]  # the row's length is the sum of these trajectories columns
     doc: str
+    fill: float | int | None = None  # read back where a chunk is missing; None: -1 for integers, NaN for floats
 
 
 _F = float("nan")
@@ -108,7 +115,11 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column("response_len", "int32", "number of response tokens"),
         Column("tokens_start", "int64", "first index of the row's prompt+response tokens in ragged/tokens"),
         Column("response_start", "int64",
-               "first index of the row's response in ragged/token_versions and ragged/behaviour_logprobs"),
+               "first index of the row's response in ragged/token_versions, behaviour_logprobs and loss_mask"),
+        Column("turns", "int16", "model turns of the episode (1 for a single-turn response)", 1),
+        Column("tool_calls", "int16", "environment steps of the episode that ran a tool", 0),
+        Column("env_error", "int16", "environment failure that ended the episode (code into attrs.vocab.env_error; "
+               "0 = '' = none)", 0),
     ),
     "updates": (
         Column("update", "int32", "update index u (starts from version u)"),
@@ -140,10 +151,14 @@ RAGGED: dict[str, RaggedArray] = {
                                   "policy version that produced each response token"),
     "behaviour_logprobs": RaggedArray("behaviour_logprobs", "float32", "response_start", ("response_len",),
                                       "log-prob of each response token under the policy that sampled it"),
+    "loss_mask": RaggedArray("loss_mask", "int8", "response_start", ("response_len",),
+                             "1 on response tokens the model produced, 0 on an environment's (left out of the loss)",
+                             fill=1),
 }
 
 # Commit counters in attrs["committed"]: rows of each table plus the used length of each flat ragged array.
-RAGGED_COUNTERS = {"tokens": "tokens", "token_versions": "response_tokens", "behaviour_logprobs": "response_tokens"}
+RAGGED_COUNTERS = {"tokens": "tokens", "token_versions": "response_tokens", "behaviour_logprobs": "response_tokens",
+                   "loss_mask": "response_tokens"}
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,18 @@ class ChunkSizes:
 def tables_of(schema_version: int) -> tuple[str, ...]:
     """The tables a store of `schema_version` holds."""
     return tuple(t for t in TABLES if TABLES_SINCE.get(t, 1) <= schema_version)
+
+
+def holds_array(path: str, schema_version: int) -> bool:
+    """Whether a store of `schema_version` holds the array at `path` ("table/column" or "ragged/name")."""
+    return ARRAYS_SINCE.get(path, 1) <= schema_version and path.split("/")[0] in (*tables_of(schema_version),
+                                                                                   "ragged")
+
+
+def ragged_fill(spec: RaggedArray) -> float | int:
+    if spec.fill is not None:
+        return spec.fill
+    return -1 if spec.dtype.startswith("int") else float("nan")
 
 
 def short_error(text: str) -> str:

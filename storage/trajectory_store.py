@@ -20,7 +20,7 @@ Protocol
 - `open(path)` (mode "r") uses a read-only zarr store: reading never modifies a file, corrupt or not.
 
 Simplified, and why
-- Strings (instance address, filter name, reward error) are int16 codes into vocabularies kept in the root attributes:
+- Strings (instance address, filter name, reward and environment errors) are int16 codes into vocabularies kept in the root attributes:
   zarr v3's variable-length strings are a zarr-python extension, and codes are smaller and faster. Reward errors keep
   only their first line, cut to 80 characters, and at most 256 distinct ones (later ones read "<other>"): exception
   texts are unbounded; the full text belongs in the logs.
@@ -43,12 +43,13 @@ from zarr.core.sync import sync
 
 from dora_tasks.core.records import Group, Migration
 from storage import _zarr_io as zio
-from storage._store_layout import (COUNTERS, _array_paths, _check_table, _counter, _create_layout, _exists,
-                                   _initial_attrs, _open_group, _table_len, check_store, upgrade)
-from storage.schema import (CODED_COLUMNS, COLUMNS, METRICS_ARRAY, OTHER_ERROR, RAGGED, RAGGED_COUNTERS,
-                            REWARD_ERROR_MAX_VOCAB, SCHEMA_VERSION, TABLES, VOCAB_COLUMNS, ChunkSizes,
-                            StoreCorruptError, StoreError, StoreExistsError, StoreLockedError, StoreNotFoundError,
-                            StoreReadOnlyError, StoreSchemaError, short_error, tables_of)
+from storage._store_layout import (COUNTERS, _array_paths, _check_table, _counter, _create_layout, _encode_groups,
+                                   _exists, _initial_attrs, _open_group, _table_len, check_store, upgrade)
+from storage.schema import (CODED_COLUMNS, COLUMNS, ERROR_COLUMNS, METRICS_ARRAY, OTHER_ERROR, RAGGED,
+                            RAGGED_COUNTERS, REWARD_ERROR_MAX_VOCAB, SCHEMA_VERSION, TABLES, VOCAB_COLUMNS,
+                            ChunkSizes, StoreCorruptError, StoreError, StoreExistsError, StoreLockedError,
+                            StoreNotFoundError, StoreReadOnlyError, StoreSchemaError, holds_array, ragged_fill,
+                            short_error, tables_of)
 
 __all__ = ["TrajectoryStore", "Dropped", "ChunkSizes", "SCHEMA_VERSION", "StoreError", "StoreNotFoundError",
            "StoreExistsError", "StoreSchemaError", "StoreCorruptError", "StoreReadOnlyError", "StoreLockedError",
@@ -79,7 +80,7 @@ class TrajectoryStore:
         self._mutex = threading.RLock()
         self._attrs = dict(root.attrs)
         self._arrays: dict[str, Any] = {}
-        self._codes = {col: {s: i for i, s in enumerate(self._attrs["vocab"][col])} for col in VOCAB_COLUMNS}
+        self._codes = {col: {s: i for i, s in enumerate(self._vocab(col))} for col in VOCAB_COLUMNS}
         self._pending: dict[str, list] = {table: [] for table in TABLES}
         self._pending_counts = dict.fromkeys(COUNTERS, 0)
         self._flush_at: dict[str, int] | None = None
@@ -152,8 +153,11 @@ class TrajectoryStore:
         return tables_of(self.schema_version)
 
     def vocab(self, column: str) -> list[str]:
-        """The strings behind the int16 codes of `column` (one of instance, filtered, reward_error)."""
-        return list(self._attrs["vocab"][column])
+        """The strings behind the int16 codes of `column` (one of instance, filtered, reward_error, env_error)."""
+        return list(self._vocab(column))
+
+    def _vocab(self, column: str) -> list[str]:
+        return self._attrs["vocab"].get(column, [""])  # a vocabulary added after the store's version: codes all 0
 
     # ---------------------------------------------------------------- writing
     def append_dispatch(self, group_id: int, prompt_id: int, version: int, attempt: int, time: float) -> None:
@@ -285,7 +289,7 @@ class TrajectoryStore:
             return {col: np.zeros(0, dtype=str if decode and col in CODED_COLUMNS else dtypes[col]) for col in wanted}
         start, stop, _ = (rows or slice(None)).indices(int(self._attrs["committed"][name]))
         stop = max(start, stop)
-        out = {col: self._read(f"{name}/{col}", start, stop) for col in wanted if not col.startswith("metrics/")}
+        out = {col: self._read_column(name, col, start, stop) for col in wanted if not col.startswith("metrics/")}
         for col, vocab in CODED_COLUMNS.items() if decode else ():
             if col in out:
                 out[col] = self._decode(vocab, out[col])
@@ -307,6 +311,8 @@ class TrajectoryStore:
         table = self._read_table("trajectories", [spec.start_column, *spec.length_columns], decode=False)
         starts = table[spec.start_column][rows]
         lengths = sum(table[c][rows].astype(np.int64) for c in spec.length_columns)
+        if not holds_array(f"ragged/{name}", self.schema_version):  # added since: every row reads its fill
+            return [np.full(n, ragged_fill(spec), dtype=spec.dtype) for n in lengths.tolist()]
         array = self._array(f"ragged/{name}")
         try:
             return zio.read_spans(array, starts, lengths, gap=array.chunks[0])
@@ -333,7 +339,7 @@ class TrajectoryStore:
 
     def _code(self, column: str, value: str) -> int:
         codes = self._codes[column]
-        if column == "reward_error":
+        if column in ERROR_COLUMNS:
             value = short_error(value)
             if value not in codes and len(codes) >= REWARD_ERROR_MAX_VOCAB:
                 value = OTHER_ERROR
@@ -345,7 +351,7 @@ class TrajectoryStore:
         return codes[value]
 
     def _decode(self, column: str, codes: np.ndarray) -> np.ndarray:
-        vocab = np.asarray(self._attrs["vocab"][column], dtype=str)
+        vocab = np.asarray(self._vocab(column), dtype=str)
         if len(codes) and (codes.min() < 0 or codes.max() >= len(vocab)):
             raise StoreCorruptError(f"{self._url}: a code column holds codes outside attrs.vocab.{column}")
         return vocab[codes]
@@ -354,6 +360,15 @@ class TrajectoryStore:
         if path not in self._arrays:
             self._arrays[path] = self._root[path]
         return self._arrays[path]
+
+    def _read_column(self, table: str, column: str, start: int, stop: int) -> np.ndarray:
+        """A column's committed rows; one added after the store's version reads its fill value."""
+        if holds_array(f"{table}/{column}", self.schema_version):
+            return self._read(f"{table}/{column}", start, stop)
+        spec = next((c for c in COLUMNS[table] if c.name == column), None)
+        if spec is None:
+            raise KeyError(f"unknown column {column!r} of table {table!r}")
+        return np.full(stop - start, spec.fill, dtype=spec.dtype)
 
     def _read(self, path: str, start: int, stop: int) -> np.ndarray:
         try:
@@ -395,7 +410,8 @@ class TrajectoryStore:
 
     def _trim_uncommitted(self) -> None:
         committed = self._attrs["committed"]
-        zio.trim_many([(self._array(path), int(committed[_counter(path)])) for path in _array_paths(self._tables)])
+        zio.trim_many([(self._array(path), int(committed[_counter(path)]))
+                       for path in _array_paths(self.schema_version)])
 
     def _row_jobs(self, jobs: list, table: str, committed: dict[str, int]) -> None:
         """The buffered rows of a table of plain columns (dispatch, migrations): one tuple a row."""
@@ -435,56 +451,3 @@ class TrajectoryStore:
     def _table_jobs(self, jobs: list, table: str, cols: dict[str, np.ndarray], committed: dict[str, int]) -> None:
         jobs += [(self._array(f"{table}/{name}"), committed[table], data) for name, data in cols.items()]
         committed[table] += len(next(iter(cols.values())))
-
-
-# -------------------------------------------------------------------- schema helpers
-def _encode_groups(groups: Sequence[Group], update: int, time: float, code: Any) -> tuple[dict, dict]:
-    """Column arrays for the trajectories of `groups` (offsets relative to this batch) and their flat token data."""
-    trajs = [t for g in groups for t in g.trajectories]
-    for g in groups:
-        for t in g.trajectories:
-            _check_trajectory(g, t)
-    per_group = [len(g.trajectories) for g in groups]
-
-    def repeat(values: list, dtype: str) -> np.ndarray:
-        return np.repeat(np.asarray(values, dtype=dtype), per_group)
-
-    p_len = np.fromiter((len(t.prompt_ids) for t in trajs), dtype=np.int64, count=len(trajs))
-    r_len = np.fromiter((len(t.response_ids) for t in trajs), dtype=np.int64, count=len(trajs))
-    values = {
-        "group_id": repeat([g.group_id for g in groups], "int64"),
-        "prompt_id": repeat([g.prompt.prompt_id for g in groups], "int64"),
-        "version": repeat([g.version for g in groups], "int32"),
-        "instance": repeat([code("instance", g.instance) for g in groups], "int16"),
-        "attempt": repeat([g.attempt for g in groups], "int16"),
-        "start_time": repeat([g.start_time for g in groups], "float64"),
-        "end_time": repeat([g.end_time for g in groups], "float64"),
-        "filtered": repeat([code("filtered", g.filtered) for g in groups], "int16"),
-        "consumed_by": np.full(len(trajs), update),
-        "consumed_time": np.full(len(trajs), time),
-        "sample_idx": [t.sample_idx for t in trajs],
-        "reward": [t.reward for t in trajs],
-        "reward_error": [code("reward_error", t.reward_error) if t.reward_error else 0 for t in trajs],
-        "advantage": [t.advantage for t in trajs],
-        "finished": [t.finished for t in trajs],
-        "prompt_len": p_len,
-        "response_len": r_len,
-        "tokens_start": np.cumsum(p_len + r_len) - (p_len + r_len),
-        "response_start": np.cumsum(r_len) - r_len,
-    }
-    cols = {c.name: np.asarray(values[c.name], dtype=c.dtype) for c in COLUMNS["trajectories"]}
-    pieces = {"tokens": [a for t in trajs for a in (t.prompt_ids, t.response_ids)],
-              "token_versions": [t.versions for t in trajs],
-              "behaviour_logprobs": [t.behaviour_logprobs for t in trajs]}
-    ragged = {name: np.concatenate(pieces[name]).astype(spec.dtype, copy=False) if pieces[name]
-              else np.zeros(0, dtype=spec.dtype) for name, spec in RAGGED.items()}
-    return cols, ragged
-
-
-def _check_trajectory(g: Group, t: Any) -> None:
-    r = len(t.response_ids)
-    if t.group_id != g.group_id:
-        raise ValueError(f"trajectory of group {t.group_id} inside group {g.group_id}")
-    if len(t.versions) != r or len(t.behaviour_logprobs) != r:
-        raise ValueError(f"group {g.group_id} sample {t.sample_idx}: {r} response tokens but {len(t.versions)} "
-                         f"versions and {len(t.behaviour_logprobs)} behaviour log-probs")

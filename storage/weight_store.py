@@ -14,6 +14,8 @@ Simplified, and why
   The initial model goes to `<root>/initial` (`share_initial`), so that workers need no folder of the driver's.
 - A version that already exists is refused unless `overwrite=True` (a resumed run re-publishing versions newer than
   its checkpoint should `retain` them away first, or overwrite).
+- The store does not look inside a version's folder: under `train.lora` it holds an adapter folder (adapter and the
+  base's identity, `dora_tasks/engines/lora.py`), and `WeightFiles` then moves the adapter's bytes only.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -10,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -98,3 +101,93 @@ def test_time_to_target_is_the_median_over_runs_with_a_run_that_never_reached_it
     runs[2]["time_to_target_s"] = None  # two of three never: the median is "never"
     assert tools.aggregate(runs)[0]["time_to_target_text"] == "not reached (8.8 / - / -)"
     assert "| 9.4 (4.5 / 14.3) |" in tools.table([dora])
+
+
+def _protocol_data(**changes):
+    data = {"workload": {"config": "configs/longtail_bench.yaml", "overrides": ["train.lr=3e-4"], "updates": 20,
+                         "eval_every": 5},
+            "target": 0.35, "shape": ["rollout.instances=2"], "runs": 3, "seeds": [7, 8, 9],
+            "sides": [{"name": "DORA K=3", "kind": "dora", "overrides": ["dora.max_staleness=3"]},
+                      {"name": "TRL", "kind": "trl", "trl": {"processes": 2}}]}
+    data.update(changes)
+    return data
+
+
+def test_race_protocol_is_read_with_its_sides_and_rejects_what_cannot_run_as_written():
+    import pytest
+
+    stats = load("race_stats")
+    protocol = stats.parse_protocol(_protocol_data())
+    assert [s.kind for s in protocol.sides] == ["dora", "trl"] and protocol.sides[1].trl == {"processes": 2}
+    assert protocol.seeds == (7, 8, 9) and protocol.updates == 20
+    with pytest.raises(stats.ProtocolError, match="one seed per run"):
+        stats.parse_protocol(_protocol_data(seeds=[7, 8]))
+    with pytest.raises(stats.ProtocolError, match="seeds must differ"):
+        stats.parse_protocol(_protocol_data(seeds=[7, 7, 9]))
+    with pytest.raises(stats.ProtocolError, match="sides\\[0\\].kind"):
+        stats.parse_protocol(_protocol_data(sides=[{"name": "x", "kind": "deepspeed"}]))
+    with pytest.raises(stats.ProtocolError, match="missing key target"):
+        stats.parse_protocol({k: v for k, v in _protocol_data().items() if k != "target"})
+
+
+def test_the_project_protocol_file_is_valid_and_runs_each_side_at_least_eight_times():
+    stats = load("race_stats")
+    protocol = stats.load_protocol(os.path.join(ROOT, "benchmarks", "race_protocol.yaml"))
+    assert protocol.runs >= 8 and len(set(protocol.seeds)) == protocol.runs
+    assert {s.kind for s in protocol.sides} == {"dora", "trl"}
+
+
+def test_interleaved_order_runs_every_side_once_a_round_and_rotates_who_goes_first():
+    order = load("race_stats").interleaved_order(3, 4)
+    for rnd in range(4):
+        assert sorted(side for r, side in order if r == rnd) == [0, 1, 2]
+    firsts = [side for i, (r, side) in enumerate(order) if i % 3 == 0]
+    assert firsts == [0, 1, 2, 0]
+    assert [r for r, _ in order] == sorted(r for r, _ in order)  # round by round, never side by side
+
+
+def test_bootstrap_interval_holds_the_median_and_an_unreached_run_opens_the_interval():
+    stats = load("race_stats")
+    values = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0]
+    low, high = stats.bootstrap_median_ci(values, resamples=2000, seed=1)
+    assert 10.0 <= low <= stats.median(values) <= high <= 17.0 and low < high
+    assert stats.bootstrap_median_ci(values, resamples=2000, seed=1) == (low, high)  # seeded
+    low_inf, high_inf = stats.bootstrap_median_ci(values[:4] + [math.inf] * 4, resamples=2000, seed=1)
+    assert math.isfinite(low_inf) and math.isinf(high_inf)
+
+
+def test_rank_test_separates_shifted_samples_and_not_identical_ones():
+    stats = load("race_stats")
+    fast, slow = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], [11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, math.inf]
+    assert stats.rank_test(fast, slow) < 0.01
+    assert stats.rank_test(fast, list(fast)) > 0.9
+
+
+def test_version_concurrency_reads_the_most_versions_at_once_and_the_share_with_two_or_more():
+    concurrency = load("race_stats").version_concurrency
+    # v1 on [0, 2], v2 on [1, 3] and [3, 4]: two versions on [1, 2] out of 4 s of generation
+    assert concurrency([(0.0, 2.0, 1), (1.0, 3.0, 2), (3.0, 4.0, 2)]) == (2, 0.25)
+    assert concurrency([(0.0, 1.0, 1), (1.0, 2.0, 2)]) == (1, 0.0)  # back to back: never two at once
+    assert concurrency([(0.0, 4.0, 1), (1.0, 2.0, 1)]) == (1, 0.0)  # one version on two instances
+
+
+def test_race_summary_keeps_every_pass_counts_unreached_as_never_and_crashed_apart():
+    stats = load("race_stats")
+    protocol = stats.parse_protocol(_protocol_data())
+
+    def run(side, t, tput, rnd):
+        return {"side": side, "round": rnd, "seed": 7 + rnd, "time_to_target_s": t, "throughput_tokens_per_s": tput,
+                "load_average": [3.0, 4.0], "max_staleness": 3 if side == "DORA K=3" else 0, "c1_violations": 0,
+                "trained_trajectories": 1280, "versions_generating_max": 2, "two_or_more_versions_share": 0.5}
+
+    passes = [run("DORA K=3", 5.0, 900.0, 0), run("TRL", 9.0, 500.0, 0), run("DORA K=3", None, 800.0, 1),
+              run("TRL", 8.0, 450.0, 1), {"side": "DORA K=3", "round": 2, "seed": 9, "failed": "CommClosedError",
+                                          "time_to_target_s": None, "load_average": [5.0, 5.0]}]
+    dora, trl = stats.summarise(passes, protocol, reference="TRL")
+    assert (dora["runs"], dora["failed"], dora["reached"]) == (2, 1, 1)
+    assert dora["times"] == [5.0, math.inf] and math.isinf(dora["time_to_target_median"])
+    assert trl["time_to_target_median"] == 8.5 and trl["tokens_per_s_median"] == 475.0
+    assert trl["runs"] == 2 and "p_time_vs_reference" not in trl and 0.0 <= dora["p_time_vs_reference"] <= 1.0
+    table = stats.race_table([dora, trl], "TRL")
+    assert "| DORA K=3 | 2 (1) | 1 of 2 |" in table and "| 3 | 0 | 0 |" not in table
+    assert "crashed: CommClosedError" in stats.passes_table(passes)

@@ -138,8 +138,9 @@ def test_run_and_resume_call_the_pipeline(capsys, monkeypatch, tmp_path):
     calls = []
     summary = types.SimpleNamespace(to_text=lambda: "SUMMARY")
     fake_module(monkeypatch, "pipelines.streaming",
-                run_pipeline=lambda cfg: calls.append(("run", cfg.dora.max_staleness)) or summary,
-                resume_pipeline=lambda run_dir, overrides: calls.append(("resume", run_dir, overrides)) or summary)
+                run_pipeline=lambda cfg, inputs: calls.append(("run", cfg.dora.max_staleness)) or summary,
+                resume_pipeline=lambda run_dir, overrides, inputs: calls.append(("resume", run_dir, overrides))
+                or summary)
     assert run_main(capsys, "run", "--config", os.path.join(CONFIGS, "cpu_demo.yaml"), "dora.max_staleness=0")[:2] \
         == (0, "SUMMARY\n")
     assert run_main(capsys, "resume", str(tmp_path), "dora.num_updates=20")[0] == 0
@@ -152,7 +153,7 @@ def test_run_reports_project_input_errors_in_one_line(capsys, monkeypatch):
 
     DatasetError.__module__ = "dora_tasks.workloads.datasets"
 
-    def run_pipeline(cfg):
+    def run_pipeline(cfg, inputs):
         raise DatasetError("'data.jsonl' row 3: missing key 'answer'")
 
     fake_module(monkeypatch, "pipelines.streaming", run_pipeline=run_pipeline)
@@ -163,13 +164,13 @@ def test_run_reports_project_input_errors_in_one_line(capsys, monkeypatch):
 def test_unreachable_cluster_is_one_line_but_other_runtime_errors_are_not(capsys, monkeypatch):
     from pipelines.cluster import ClusterError
 
-    def unreachable(cfg):
+    def unreachable(cfg, inputs):
         raise ClusterError("cannot reach cluster.scheduler_address 'tcp://nowhere:8786'")
 
     fake_module(monkeypatch, "pipelines.streaming", run_pipeline=unreachable)
     code, _, err = run_main(capsys, "run")
     assert code == 2 and err.startswith("dora: error: cannot reach cluster.scheduler_address")
-    fake_module(monkeypatch, "pipelines.streaming", run_pipeline=lambda cfg: 1 / 0)
+    fake_module(monkeypatch, "pipelines.streaming", run_pipeline=lambda cfg, inputs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         cli.main(["run"])
 
@@ -198,3 +199,12 @@ def test_plots_command_draws_from_a_store(capsys, tmp_path):
     assert sorted(os.listdir(tmp_path / "plots")) == ["learning.png", "staleness.png", "throughput.png",
                                                       "timeline.png"]
     assert out.count(".png") == 4
+
+
+def test_ctrl_c_is_one_line_naming_the_folder_to_resume(capsys, monkeypatch, tmp_path):
+    def interrupted(cfg, inputs):
+        raise KeyboardInterrupt
+
+    fake_module(monkeypatch, "pipelines.streaming", run_pipeline=interrupted)
+    code, out, err = run_main(capsys, "run", f"storage.run_dir={tmp_path}")
+    assert (code, out) == (130, "") and err == f"dora: stopped (Ctrl-C); continue with: dora resume {tmp_path}\n"

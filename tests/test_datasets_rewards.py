@@ -137,8 +137,8 @@ def test_parse_hf_spec():
 
 
 def test_resolve_reward_fn():
-    assert resolve_reward_fn("") is countdown.reward
-    assert resolve_reward_fn("dora_tasks.workloads.rewards.math_verify_reward") is rewards.math_verify_reward
+    assert resolve_reward_fn("").fn is countdown.reward
+    assert resolve_reward_fn("dora_tasks.workloads.rewards.math_verify_reward").fn is rewards.math_verify_reward
     with pytest.raises(RewardError, match="cannot import module 'no_such_pkg.mod'"):
         resolve_reward_fn("no_such_pkg.mod.fn")
     with pytest.raises(RewardError, match="has no attribute 'nope'"):
@@ -199,13 +199,3 @@ def test_math_verify_reward():
     assert rewards.math_verify_reward("half?", "We get $\\frac{1}{2}$", "0.5") == 1.0
     assert rewards.math_verify_reward("2+2?", "The answer is $5$.", "4") == 0.0
     assert rewards.math_verify_reward("2+2?", "no idea", "4") == 0.0
-
-
-def test_reasoning_gym_reward_needs_the_package():
-    try:
-        import reasoning_gym  # noqa: F401
-    except ImportError:
-        with pytest.raises(RewardError, match="reasoning-gym"):
-            rewards.reasoning_gym_reward("q", "r", "a")
-    else:
-        assert rewards.reasoning_gym_reward("q", "42", "42") == 1.0

@@ -29,7 +29,7 @@ from dora_tasks.model import load_causal_lm
 from pipelines.migration import ROLLOUT_TASK, Holder, Moves
 from pipelines.orchestrator import Migrate
 from storage.audit import audit_store
-from storage.trajectory_store import TrajectoryStore
+from storage.trajectory_store import SCHEMA_VERSION, TrajectoryStore
 
 
 # ---- the driver's bookkeeping, against a model of the instances --------------------------------------------------
@@ -201,7 +201,7 @@ def test_migrations_are_stored_and_audited_and_a_store_of_schema_version_1_still
     writer = TrajectoryStore.open(old, mode="a")  # appending gives it the table
     writer.append_migrations([migration(0, 1)])
     writer.close()
-    assert TrajectoryStore.open(old).schema_version == 2
+    assert TrajectoryStore.open(old).schema_version == SCHEMA_VERSION
     assert audit_store(old).counts["migrations"] == 1
 
 

@@ -238,6 +238,21 @@ def test_checkpoints_on_s3_are_complete_or_skipped(s3):
     assert not objectstore.exists(f"{root}/ckpt-000004")
 
 
+def test_eviction_skips_a_folder_another_thread_evicted_after_the_listing(tmp_path, monkeypatch):
+    """Two task threads of one worker evict at once: a folder listed by one and removed by the other before the
+    first reads its time must not fail the first (a rollout task failed that way on a loaded machine)."""
+    names = [f"v{v:06d}" for v in range(objectstore.CACHE_KEEP + 2)]
+    for name in names:
+        (tmp_path / name).mkdir()
+    listing = list(os.scandir(tmp_path))
+    (tmp_path / names[0]).rmdir()  # the other thread's eviction, between the listing and the stat
+    real_scandir = os.scandir  # shutil.rmtree lists the folders it removes with it too
+    monkeypatch.setattr(objectstore.os, "scandir",
+                        lambda path, *a: iter(listing) if str(path) == str(tmp_path) else real_scandir(path, *a))
+    objectstore._evict(str(tmp_path), keep=names[-1])
+    assert names[-1] in os.listdir(tmp_path) and len(os.listdir(tmp_path)) == objectstore.CACHE_KEEP
+
+
 def test_staged_and_fetched_leave_local_paths_alone(tmp_path):
     folder = str(tmp_path / "ckpt")
     with objectstore.staged(folder) as local:

@@ -38,8 +38,9 @@ def batch_tensors(batch: TrainBatch, pad_id: int = 0, advantage: str = "grpo") -
     trajectories that skipped the advantage task (`_token_advantages`).
 
     Returns input_ids long [B,L] (prompt + response, right-padded with `pad_id`), attention_mask long [B,L],
-    response_mask float [B,L] (1 on response tokens), behaviour_logp float [B,L] (aligned with the tokens),
-    rewards float [B], advantages float [B,L] (each trajectory's `advantage` on its response tokens, see
+    response_mask float [B,L] (1 on response tokens the model produced: a multi-turn episode's environment tokens
+    are conditioned on but left out of the loss, `Trajectory.loss_mask`), behaviour_logp float [B,L] (aligned with
+    the tokens), rewards float [B], advantages float [B,L] (each trajectory's `advantage` on its response tokens, see
     `_token_advantages`), group_index long [B].
     """
     groups = [g for g in batch.groups if not g.filtered]
@@ -57,7 +58,7 @@ def batch_tensors(batch: TrainBatch, pad_id: int = 0, advantage: str = "grpo") -
         p, n = len(t.prompt_ids), t.num_tokens
         input_ids[row, :n] = np.concatenate([t.prompt_ids, t.response_ids])
         attention[row, :n] = 1
-        response[row, p:n] = 1
+        response[row, p:n] = t.loss_mask  # 1 on the model's tokens; 0 on an episode's environment tokens
         behaviour[row, p:n] = t.behaviour_logprobs
     tensors = {
         "input_ids": torch.from_numpy(input_ids),

@@ -24,6 +24,9 @@ import yaml
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.config_checks import ConfigError, _choice, _is_host, _require
 from dora_tasks.core.config_emulation import EmulationConfig
+from dora_tasks.core.config_episodes import check_episodes
+from dora_tasks.core.config_lora import LoraConfig
+from dora_tasks.core.config_reward import RewardConfig
 
 EMULATED_REWARD = "dora_tasks.emulation.task.synthetic_reward"  # task.reward_fn of task.name=emulated when unset
 
@@ -66,9 +69,20 @@ class TaskConfig:
     eval_prompts: int = 64  # held-out prompts for accuracy
     eval_interval: int = 0  # updates between held-out evaluations; 0 evaluates the initial and final policy only
     max_count: int = 400  # long-tail cap of the countdown task
+    environment: str = ""  # multi-turn episodes: dotted path of an environment factory (dora_tasks/workloads/
+    #                        environments.py, e.g. dora_tasks.workloads.calculator.CalculatorEnvironment); "" = none
+    max_turns: int = 4  # model turns of an episode at most
+    max_turn_tokens: int = 0  # tokens of one model turn at most; 0 = the rest of rollout.max_new_tokens, which
+    #                           bounds the whole response (model and environment tokens)
+    environment_timeout_s: float = 10.0  # per environment call (reset, step); one that raises or times out ends
+    #                                      its episode, recorded on the trajectory (env_error)
 
     def validate(self) -> None:
-        _choice(self.name, "task.name", ("countdown", "dataset", "emulated"))
+        _choice(self.name, "task.name", ("countdown", "arithmetic", "dataset", "emulated"))
+        _require(self.max_turns >= 1, "task.max_turns", f"must be >= 1, got {self.max_turns}")
+        _require(self.max_turn_tokens >= 0, "task.max_turn_tokens", f"must be >= 0, got {self.max_turn_tokens}")
+        _require(self.environment_timeout_s > 0, "task.environment_timeout_s",
+                 f"must be > 0, got {self.environment_timeout_s}")
         if self.name == "dataset":
             _require(bool(self.dataset), "task.dataset", "required when task.name=dataset")
         _require(self.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
@@ -161,6 +175,7 @@ class TrainConfig:
     loss_norm_len: int = 0  # divisor of seq_mean_token_sum_norm; 0 = longest response of the batch
     filter_degenerate: bool = False  # DAPO dynamic sampling: zero-variance groups are recorded as filtered, not trained
     importance_cap: float = 2.0  # C of tis's min(ratio, C) and cap of decoupled_ppo's behaviour weight
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full weights (rank 0 = off)
 
     def validate(self) -> None:
         _choice(self.engine, "train.engine", ("torch", "deepspeed", "emulated"))
@@ -175,6 +190,9 @@ class TrainConfig:
         _require(self.micro_batch_call_tokens >= 0, "train.micro_batch_call_tokens",
                  f"must be >= 0, got {self.micro_batch_call_tokens}")
         _require(self.kl_coef >= 0, "train.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        self.lora.validate()
+        _require(not (self.lora.enabled and self.engine == "emulated"), "train.lora.rank",
+                 "LoRA needs a real trainer (train.engine=torch or deepspeed), not the emulated one")
 
 
 @dataclass
@@ -307,6 +325,8 @@ class TrackingConfig:
     run_name: str = ""
     live_view: bool = True
     plots: bool = True
+    log_file: bool = True  # engine and library output (the driver's and the embedded workers') goes to
+    #                        <run_dir>/run.log instead of the terminal; false: everything prints to the terminal
     metrics_flush_s: float = 5.0  # per-update metrics go to MLflow in one batch at most this often (and at the
     #                               end), since a sqlite write per update costs the driver CPU; 0 = every update
 
@@ -325,6 +345,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # a reward model on REWARD workers (config_reward.py)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
@@ -336,6 +357,7 @@ class Config:
                  + ", ".join(f"{k}={'emulated' if v else 'real'}" for k, v in emulated.items()))
         if self.emulated and not self.task.reward_fn:
             self.task.reward_fn = EMULATED_REWARD
+        check_episodes(self)
         if self.rollout.partial_rollout:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
@@ -354,8 +376,18 @@ class Config:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
-        """`section.key -> value`, for MLflow params."""
-        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+        """`section.key -> value` (`section.sub.key` inside a sub-section such as train.lora), for MLflow params."""
+        return _flattened(self.to_dict(), "")
+
+
+def _flattened(data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _coerce(value: Any, typ: type, key: str) -> Any:
@@ -412,12 +444,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r}: expected section.key=value")
         dotted, raw = item.split("=", 1)
         parts = dotted.strip().split(".")
-        if len(parts) != 2 or not all(parts):
+        if len(parts) < 2 or not all(parts):  # section.sub.key reaches a sub-section (train.lora.rank)
             raise ConfigError(f"override {item!r}: expected section.key=value, e.g. dora.max_staleness=3")
-        node = data.setdefault(parts[0], {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {parts[0]!r} is not a section")
-        node[parts[1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node = data
+        for depth, name in enumerate(parts[:-1]):
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
     return data
 
 

@@ -6,6 +6,7 @@ knows the update that trained on it. No free-form dict payloads cross task bound
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,12 @@ class Prompt:
     text: str
     answer: str
     token_ids: tuple[int, ...] = ()
+    row_json: str = ""  # the dataset row's fields as JSON text, for rewards that read them ("" = none)
+
+    @property
+    def row(self) -> dict:
+        """The dataset row as a fresh dict: JSON text keeps the record small, hashable and the same after pickling."""
+        return json.loads(self.row_json) if self.row_json else {}
 
 
 @dataclass
@@ -40,10 +47,13 @@ def _unpack(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
-def _trajectory(group_id, sample_idx, arrays, finished, reward, reward_error, advantage) -> Trajectory:
-    prompt_ids, response_ids, versions, behaviour_logprobs = (_unpack(*a) for a in arrays)
+def _trajectory(group_id, sample_idx, arrays, finished, reward, reward_error, advantage, *episode) -> Trajectory:
+    prompt_ids, response_ids, versions, behaviour_logprobs, loss_mask = (_unpack(*a) for a in arrays)
     return Trajectory(group_id, sample_idx, prompt_ids, response_ids, versions, behaviour_logprobs, finished, reward,
-                      reward_error, advantage)
+                      reward_error, advantage, loss_mask, *episode)
+
+
+ENVIRONMENT_VERSION = -1  # the `versions` entry of an environment token of a multi-turn episode (no policy made it)
 
 
 @dataclass
@@ -64,11 +74,23 @@ class Trajectory:
     reward: float = float("nan")
     reward_error: str = ""  # exception text or "timeout"; empty when the reward function returned a number
     advantage: float = float("nan")
+    # multi-turn episodes (`dora_tasks.episodes`): which response tokens the model produced (1) and which the
+    # environment did (0: version ENVIRONMENT_VERSION, behaviour log-prob 0, left out of the loss); None = all model
+    loss_mask: np.ndarray | None = None  # int8 [T]
+    turns: int = 1  # model turns of the episode (1 for a single-turn response)
+    tool_calls: int = 0  # environment steps that ran a tool
+    env_error: str = ""  # the environment's exception text or "timeout"; the episode ended there
+    env_reward: float = float("nan")  # the environment's reward (sum of its steps'); NaN: it gave none
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(len(self.response_ids), dtype=np.int8)
 
     def __reduce__(self):
-        arrays = tuple(_pack(a) for a in (self.prompt_ids, self.response_ids, self.versions, self.behaviour_logprobs))
+        arrays = tuple(_pack(a) for a in (self.prompt_ids, self.response_ids, self.versions, self.behaviour_logprobs,
+                                          self.loss_mask))
         return _trajectory, (self.group_id, self.sample_idx, arrays, self.finished, self.reward, self.reward_error,
-                             self.advantage)
+                             self.advantage, self.turns, self.tool_calls, self.env_error, self.env_reward)
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +98,8 @@ class Trajectory:
 
     @property
     def distinct_versions(self) -> set[int]:
-        return set(int(v) for v in np.unique(self.versions))
+        """The policy versions of the model's tokens (environment tokens carry none)."""
+        return set(int(v) for v in np.unique(self.versions[self.loss_mask.astype(bool)]))
 
 
 @dataclass
@@ -94,6 +117,7 @@ class Group:
     filtered: str = ""  # name of the algorithmic filter that excluded it from the loss, if any
     weights: WeightsReceived | None = None  # the instance received its version's weights with this group
     migrations: list[Migration] = field(default_factory=list)  # its responses' moves to other instances, if any
+    reward_model: RewardModelScoring | None = None  # how the reward model scored it (`reward.model` set)
 
     @property
     def rewards(self) -> np.ndarray:
@@ -102,6 +126,18 @@ class Group:
     @property
     def num_tokens(self) -> int:
         return sum(t.num_tokens for t in self.trajectories)
+
+
+@dataclass
+class RewardModelScoring:
+    """How a reward model scored one group's responses, on which worker (`reward.model`; see config_reward.py)."""
+
+    worker: str  # address of the worker that ran the model
+    role: str  # "REWARD" when that worker carries the REWARD label (where reward models must run)
+    scores: tuple[float, ...]  # the model's score of each trajectory, by sample index, before combining
+    seconds: float  # this group's share of the forward passes' time (by its responses' share of each batch)
+    batch_sizes: tuple[int, ...]  # responses in each forward pass the group's responses took part in
+    tasks_per_batch: int  # most scoring tasks merged into one of those forward passes
 
 
 @dataclass

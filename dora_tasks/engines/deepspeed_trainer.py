@@ -15,6 +15,8 @@ Simplifications, and why:
 - The model is loaded whole and partitioned by `deepspeed.initialize` (no `zero.Init` at load): fine for the models
   that fit one host, which is what this project trains. The reference model (kl_coef > 0) is a plain frozen copy.
 - ZeRO-3 weights are gathered with `deepspeed.zero.GatheredParameters` to write the Hugging Face folder.
+- With `train.lora` the module is the base with a `peft` adapter, as in `torch_trainer`: the optimizer holds the
+  adapter's parameters, checkpoints leave the frozen base out, the published folder is the adapter alone.
 - DeepSpeed's CPU shared-memory all-reduce op is not built: with one rank there is nothing to all-reduce across
   processes, and building it compiles C++ with g++ the first time on a machine (measured 259 s on a busy 2-core
   machine, 0.25 s once cached in ~/.cache/torch_extensions). `single_rank_comm()` makes DeepSpeed's backend skip it
@@ -39,10 +41,10 @@ from dora_tasks.core.records import TrainBatch
 from dora_tasks.engines.hf_io import (
     check_train_config,
     default_device,
-    load_policy,
     timed_train_step,
     write_hf_folder,
 )
+from dora_tasks.engines.lora import adapter_dropout, load_trainable_policy, reference_policy, write_adapter_folder
 
 CHECKPOINT_TAG_PREFIX = "version_"
 
@@ -106,8 +108,9 @@ def deepspeed_config(train_cfg) -> dict:
 
 class DeepSpeedTrainEngine(TrainEngine):
     def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0, *,
-                 replicated_batch: bool = False):
-        """`replicated_batch`: allow WORLD_SIZE > 1, each rank being handed the same whole TrainBatch."""
+                 replicated_batch: bool = False, base_path: str = ""):
+        """`replicated_batch`: allow WORLD_SIZE > 1, each rank being handed the same whole TrainBatch; `base_path`:
+        where workers read the base model (train.lora: recorded with each adapter)."""
         check_train_config(train_cfg)  # a ZeRO stage out of range fails here, before DeepSpeed is touched
         import deepspeed
 
@@ -120,14 +123,16 @@ class DeepSpeedTrainEngine(TrainEngine):
         device = default_device()
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        model = load_policy(model_path, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=0.0)
+        model, self.base = load_trainable_policy(model_path, train_cfg.lora, device, base_path)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=0.0)
         with single_rank_comm():  # deepspeed.initialize sets the backend up too when the process group exists
             if not torch.distributed.is_initialized():
+                deepspeed.utils.groups._WORLD_GROUP = None  # its clone of a destroyed process group is stale
                 deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                         config=deepspeed_config(train_cfg))
-        self.ref_model = load_policy(model_path, self.engine.device, trainable=False) if train_cfg.kl_coef > 0 else None
+        self.ref_model = reference_policy(self.engine.module, model_path, self.engine.device, train_cfg, self.base)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -144,8 +149,9 @@ class DeepSpeedTrainEngine(TrainEngine):
                 engine.set_gradient_accumulation_boundary(True)
             engine.backward(loss)
 
-        _, metrics = policy_objective(engine, tensors, self.cfg, self.ref_model, backward=backward,
-                                      device=engine.device, temperature=self.temperature)
+        with adapter_dropout(engine.module, self.cfg.lora.dropout > 0):
+            _, metrics = policy_objective(engine, tensors, self.cfg, self.ref_model, backward=backward,
+                                          device=engine.device, temperature=self.temperature)
         pre_step_norm = self._unreduced_grad_norm() if self.cfg.zero_stage == 0 else 0.0
         engine.step()
         reported = engine.get_global_grad_norm()  # None at stage 0
@@ -159,7 +165,11 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def save_weights(self, path: str) -> None:
         state = self._gathered_state_dict() if self.cfg.zero_stage == 3 else None  # every rank must gather
-        if self.engine.global_rank == 0:
+        if self.engine.global_rank != 0:
+            return
+        if self.base is not None:
+            write_adapter_folder(self.engine.module, path, self.base, state_dict=state)
+        else:
             write_hf_folder(self.engine.module, path, self.model_path, state_dict=state)
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
@@ -171,11 +181,12 @@ class DeepSpeedTrainEngine(TrainEngine):
     def save_checkpoint(self, directory: str) -> None:
         """DeepSpeed checkpoint (model, optimizer, ZeRO partitions) plus the policy version."""
         self.engine.save_checkpoint(directory, tag=f"{CHECKPOINT_TAG_PREFIX}{self.version}",
-                                    client_state={"version": self.version})
+                                    client_state={"version": self.version},
+                                    exclude_frozen_parameters=self.base is not None)  # LoRA: the base is published
 
     def load_checkpoint(self, directory: str) -> None:
         """Load the latest checkpoint of `directory` (DeepSpeed's `latest` file names it)."""
-        path, client_state = self.engine.load_checkpoint(directory)
+        path, client_state = self.engine.load_checkpoint(directory, load_module_strict=self.base is None)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r}")
         self.version = int(client_state["version"])

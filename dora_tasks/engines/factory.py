@@ -5,7 +5,7 @@ from __future__ import annotations
 from dora_tasks.core.contracts import TrainEngine
 
 
-def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature: float = 1.0,
+def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature: float = 1.0, base_path: str = "",
                       **engine_options) -> TrainEngine:
     """`TorchTrainEngine` for train.engine="torch", `DeepSpeedTrainEngine` for "deepspeed", `EmulatedTrainEngine`
     for "emulated" (a timing model for scale studies; it needs `engine_options["emulation"]`), validated first.
@@ -13,6 +13,7 @@ def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature:
     `temperature` is the rollout's sampling temperature (`rollout.temperature`): the trainer's log-probs are taken at
     it, so that importance ratios compare the same distributions the behaviour log-probs came from.
     A `model_path` on an object store (the weight store's URL) is read from a local copy (worker cache).
+    `base_path`: where workers read the base model, for `train.lora` (`dora_tasks/engines/lora.py`).
     """
     from storage.objectstore import local_folder
 
@@ -25,7 +26,8 @@ def make_train_engine(model_path: str, train_cfg, version: int = 0, temperature:
     if train_cfg.engine == "deepspeed":
         from dora_tasks.engines.deepspeed_trainer import DeepSpeedTrainEngine
 
-        return DeepSpeedTrainEngine(model_path, train_cfg, version=version, temperature=temperature)
+        return DeepSpeedTrainEngine(model_path, train_cfg, version=version, temperature=temperature,
+                                    base_path=base_path)
     from dora_tasks.engines.torch_trainer import TorchTrainEngine
 
-    return TorchTrainEngine(model_path, train_cfg, version=version, temperature=temperature)
+    return TorchTrainEngine(model_path, train_cfg, version=version, temperature=temperature, base_path=base_path)

@@ -14,6 +14,10 @@ leaving between them; evaluation is greedy); the rollout server's continuous bat
 `open_session`, which keeps the KV cache of running rows between chunks: `dora_tasks.engines.fast_session` (the
 decode step written out in plain torch, `rollout.fast_decode`, Qwen2/Llama layouts) or
 `dora_tasks.engines.hf_session` (transformers' forward).
+
+LoRA (`train.lora`): a version published as an adapter folder is merged into a copy of the base weights (the
+folder the engine started from, read once) and copied into the live model like any version, so both sessions decode
+over plain weights; the adapter's recorded base must be this base (`lora.check_base`).
 """
 from __future__ import annotations
 
@@ -30,9 +34,9 @@ from safetensors.torch import load_file
 from dora_tasks.core.config import RolloutConfig
 from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Generation
+from dora_tasks.engines import lora
 from dora_tasks.engines.decoding import left_pad
 from dora_tasks.model import EOS_ID, load_causal_lm
-
 
 GREEDY_CHUNK = 16  # tokens per decode call of greedy `generate` on the fast session: ended rows leave between calls
 
@@ -60,6 +64,13 @@ def load_weights_in_place(model: torch.nn.Module, folder: str) -> None:
     if unexpected or set(missing) - tied:
         raise WeightsError(f"{folder!r} does not fit the model: missing {sorted(set(missing) - tied)}, "
                            f"unexpected {sorted(unexpected)}")
+
+
+def lora_base_folder(adapter_folder: str) -> str:
+    """A local copy of the base model an adapter folder names (an object store's through the worker cache)."""
+    from storage.objectstore import local_folder
+
+    return local_folder(lora.read_base(adapter_folder).path)
 
 
 def cut_at_eos(tokens: np.ndarray, logprobs: np.ndarray, version: int,
@@ -94,18 +105,26 @@ class HFRolloutEngine(RolloutEngine):
         the process setting)."""
         if threads is not None:
             torch.set_num_threads(threads)
-        model = load_causal_lm(model_path)
-        self._init(model, rollout_cfg, version, do_sample, max_batch)
+        adapter = model_path if lora.is_adapter_folder(model_path) else None
+        base_folder = lora_base_folder(adapter) if adapter else model_path
+        self._init(load_causal_lm(base_folder), rollout_cfg, version, do_sample, max_batch, base_folder)
+        if adapter:
+            self.load_version(version, adapter)
 
     @classmethod
     def from_model(cls, model: transformers.PreTrainedModel, rollout_cfg: RolloutConfig, version: int = 0, *,
                    do_sample: bool = True, max_batch: int = 256) -> HFRolloutEngine:
-        """Serve an in-memory model (shared, not copied): for evaluation during warm start and for tests."""
+        """Serve an in-memory model (shared, not copied): for evaluation during warm start and for tests. It has
+        no base folder, so it cannot load LoRA adapters."""
         engine = cls.__new__(cls)
-        engine._init(model, rollout_cfg, version, do_sample, max_batch)
+        engine._init(model, rollout_cfg, version, do_sample, max_batch, None)
         return engine
 
-    def _init(self, model, rollout_cfg: RolloutConfig, version: int, do_sample: bool, max_batch: int) -> None:
+    def _init(self, model, rollout_cfg: RolloutConfig, version: int, do_sample: bool, max_batch: int,
+              base_folder: str | None) -> None:
+        self.base_folder = base_folder  # the model folder started from: the base of LoRA adapters
+        self._base_state: dict[str, torch.Tensor] | None = None  # its weights, read at the first adapter
+        self._adapted: set[str] | None = None  # weights an adapter changed, when all others are the base's
         self.model = model.float().eval()
         self.cfg = rollout_cfg
         self.version = version
@@ -133,9 +152,29 @@ class HFRolloutEngine(RolloutEngine):
     def load_version(self, version: int, weights_path: str) -> None:
         from storage.objectstore import local_folder
 
+        folder = local_folder(weights_path)  # object store: via the worker's cache
         with torch.no_grad():
-            load_weights_in_place(self.model, local_folder(weights_path))  # object store: via the worker's cache
+            if lora.is_adapter_folder(folder):
+                self._load_adapter(folder)
+            else:
+                load_weights_in_place(self.model, folder)
+                self._adapted = None
         self.version = version
+
+    def _load_adapter(self, folder: str) -> None:
+        """The base with the adapter of `folder` merged: only the weights it or the previous adapter changed are
+        copied when the rest already is the base's."""
+        if self.base_folder is None:
+            raise WeightsError(f"{folder!r} is a LoRA adapter, but this engine serves an in-memory model and "
+                               "holds no base folder to merge it into")
+        lora.check_base(folder, lora.base_identity(self.base_folder))
+        if self._base_state is None:
+            self._base_state = read_safetensors(self.base_folder)
+        base = self._base_state
+        merged = lora.merged_state(base, folder)
+        restore = base if self._adapted is None else {k: base[k] for k in self._adapted - merged.keys()}
+        self.model.load_state_dict({**restore, **merged}, strict=False)
+        self._adapted = set(merged)
 
     @property
     def max_new_tokens(self) -> int:

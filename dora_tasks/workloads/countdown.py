@@ -14,10 +14,11 @@ Simplified, and why: the step is always 10. Steps 7-9 (a real subtraction with b
 learned by a 2-layer, 128-wide model in a few hundred CPU steps (sampled accuracy ~0.1, mostly one-number answers),
 which left RL nothing to work with. The task space is small (max_count distinct prompts), so the held-out set is
 disjoint by prompt id and seed, not by text. The reward is exact match after collapsing whitespace: 1.0 or 0.0, no
-partial credit.
+partial credit. A prompt's row holds its numbers (`{"count": ..., "step": ...}`) for rewards that take the row.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -62,7 +63,8 @@ def make_prompts(n: int, seed: int, tokenizer, max_count: int, start_id: int = 0
     for i, (count, step) in enumerate(zip(counts.tolist(), steps.tolist())):
         text = prompt_text(count, step)
         ids = (tokenizer.bos_id, *tokenizer.encode(text))
-        prompts.append(Prompt(prompt_id=start_id + i, text=text, answer=answer_text(count, step), token_ids=ids))
+        prompts.append(Prompt(prompt_id=start_id + i, text=text, answer=answer_text(count, step), token_ids=ids,
+                              row_json=json.dumps({"count": count, "step": step})))
     return prompts
 
 

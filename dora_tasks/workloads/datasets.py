@@ -2,12 +2,15 @@
 
 `load_prompts(task_cfg, tokenizer, seed)` returns `(train, eval)` lists of `records.Prompt`. Every row must hold
 `task.prompt_key` and `task.answer_key`; a row without them raises `DatasetError` naming the file, the row and the
-key, before any work starts. `task.num_prompts` sizes the procedural task only; a file dataset uses all its rows.
+key, before any work starts. Each prompt carries its whole row (`Prompt.row_json`), which the reward function
+receives as `row`. `task.num_prompts` sizes the procedural task only; a file dataset uses all its rows.
 
 Simplified: files are read whole into memory (prompt sets are small next to rollouts); the eval set of a file dataset
 is its last `task.eval_prompts` rows after a seeded shuffle, not a separate split; `hf:<name>[:split]` (or
 `hf:<name>:<config>:<split>`) is read with `datasets.load_dataset` (offline here: a cached hub dataset) or, for a
-folder written by `save_to_disk`, with `load_from_disk`.
+folder written by `save_to_disk`, with `load_from_disk`. A row travels with its prompt to the rollout and reward
+tasks, so very large fields (images, long test suites) cost their size on every dispatch; values JSON cannot hold
+(dates, bytes) reach the reward as their `str()`.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ def load_prompts(task_cfg: TaskConfig, tokenizer, seed: int, emulation=None) -> 
     `EmulationConfig`) is needed by task.name=emulated only, whose prompts are synthetic (no tokenizer)."""
     if task_cfg.name == "countdown":
         return countdown_prompts(task_cfg, tokenizer, seed)
+    if task_cfg.name == "arithmetic":
+        from dora_tasks.workloads import calculator
+
+        return (calculator.make_prompts(task_cfg.num_prompts, seed, tokenizer),
+                calculator.make_prompts(task_cfg.eval_prompts, seed + EVAL_SEED_OFFSET, tokenizer,
+                                        start_id=task_cfg.num_prompts))
     if task_cfg.name == "emulated":
         from dora_tasks.emulation.task import emulated_prompts
 
@@ -127,10 +136,15 @@ def rows_to_prompts(rows: Iterable[dict[str, Any]], task_cfg: TaskConfig, tokeni
         if not isinstance(prompt, (str, list)):
             prompt = str(prompt)
         prompts.append(Prompt(prompt_id=number - 1, text=render_messages(prompt), answer=str(answer),
-                              token_ids=tuple(tokenizer.prompt_ids(prompt))))
+                              token_ids=tuple(tokenizer.prompt_ids(prompt)), row_json=row_json(row)))
     if not prompts:
         raise DatasetError(f"{source!r} holds no rows")
     return prompts
+
+
+def row_json(row: dict[str, Any]) -> str:
+    """The row as compact JSON text (`Prompt.row_json`); a value JSON cannot hold becomes its str()."""
+    return json.dumps(row, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def required_field(row: dict[str, Any], key: str, source: str, number: int) -> Any:

@@ -1,9 +1,10 @@
 """Process-isolated rewards (`task.reward_isolation=process`): each call has a hard timeout and a memory limit.
 
 A `Lane` is one reward process (`python -m dora_tasks.workloads.reward_worker`) and its two pipes; `Lane.score_all`
-sends it all the calls of a batch at once and reads their outcomes one by one, each within the call timeout. A call
-that outlives its timeout is killed with its process and whatever that started (the process leads its own session):
-`(nan, "timeout")`. One that allocates past the address-space limit ends its process after reporting
+sends it all the calls of a batch at once, split into units (`reward_forms`: one call each, or all of them for a
+batch or async reward), and reads the outcomes unit by unit, each within the unit's timeout. A unit that outlives it
+is killed with its process and whatever that started (the process leads its own session): `(nan, "timeout")` for
+each of its calls. One that allocates past the address-space limit ends its process after reporting
 (`(nan, "memory limit: ...")`); one whose process dies is `(nan, "process died (...)")`. The remaining calls go on in
 a fresh process. The pool of a Python process (`shared_pool`) lends lanes to one caller at a time and keeps them, so
 a Dask worker's reward tasks reuse its processes: a process and the import of the reward module are paid once, not
@@ -32,13 +33,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import cloudpickle
 
-from dora_tasks.workloads.reward_worker import LOADED, read_frame, write_frame
+from dora_tasks.workloads.reward_forms import RewardCall, as_reward_function
+from dora_tasks.workloads.reward_worker import LOADED, TIMEOUT, read_frame, write_frame
 
 STARTUP_TIMEOUT_S = 60.0  # start of a process plus the import of a reward module, on a loaded machine
 REAP_TIMEOUT_S = 5.0  # a process that closed its pipe has this long to exit before it is killed
-TIMEOUT = "timeout"
 
-Call = tuple[str, str, str]
+Call = RewardCall | tuple  # (prompt, response, answer[, row JSON])
 Outcome = tuple[float, str]
 
 
@@ -51,11 +52,13 @@ class Lane:
 
     def score_all(self, fn: Callable, calls: Sequence[Call], timeout_s: float) -> list[Outcome]:
         """The outcome of every call, in order, each within `timeout_s`; never raises for what `fn` does."""
+        fn = as_reward_function(fn)
+        units = fn.units([RewardCall(*call) for call in calls])
         pickled_fn = cloudpickle.dumps(fn)
-        results: list[Outcome] = []
-        while len(results) < len(calls):
-            results += self._run(pickled_fn, calls[len(results):], timeout_s)
-        return results
+        results: list[list[Outcome]] = []
+        while len(results) < len(units):
+            results += self._run(pickled_fn, units[len(results):], timeout_s, fn.unit_timeout(timeout_s))
+        return [outcome for unit in results for outcome in unit]
 
     def close(self) -> None:
         """Kill the process and whatever it started (its own session), and reap it."""
@@ -64,38 +67,40 @@ class Lane:
                 os.killpg(self.process.pid, signal.SIGKILL)  # the group id stays ours until the leader is reaped
         self._reap()
 
-    def _run(self, pickled_fn: bytes, calls: Sequence[Call], timeout_s: float) -> list[Outcome]:
-        """Scores `calls` in this process until a call ends it; at least one outcome."""
+    def _run(self, pickled_fn: bytes, units: list[list[RewardCall]], timeout_s: float,
+             unit_timeout_s: float) -> list[list[Outcome]]:
+        """Scores `units` in this process until a unit ends it; the outcomes of at least one unit."""
         try:
-            self._send(pickled_fn, calls)
+            self._send(pickled_fn, units, timeout_s)
             if self._read(STARTUP_TIMEOUT_S) != LOADED:
                 raise EOFError
         except TimeoutError:
             self.close()
-            return [(float("nan"), f"{TIMEOUT}: the reward process did not load the function")] * len(calls)
+            failed = (float("nan"), f"{TIMEOUT}: the reward process did not load the function")
+            return [[failed] * len(unit) for unit in units]
         except EOFError:
-            return [(float("nan"), self._died())]
-        results: list[Outcome] = []
-        for _ in calls:
+            return [[(float("nan"), self._died())] * len(units[0])]
+        results: list[list[Outcome]] = []
+        for unit in units:
             try:
-                reward, error, alive = pickle.loads(self._read(timeout_s))
+                outcomes, alive = pickle.loads(self._read(unit_timeout_s))
             except TimeoutError:
                 self.close()
-                return results + [(float("nan"), TIMEOUT)]
+                return results + [[(float("nan"), TIMEOUT)] * len(unit)]
             except EOFError:
-                return results + [(float("nan"), self._died())]
-            results.append((reward, error))
+                return results + [[(float("nan"), self._died())] * len(unit)]
+            results.append(outcomes)
             if not alive:
                 self._reap()
                 return results
         return results
 
-    def _send(self, pickled_fn: bytes, calls: Sequence[Call]) -> None:
+    def _send(self, pickled_fn: bytes, units: list[list[RewardCall]], timeout_s: float) -> None:
         if self.process is None or self.process.poll() is not None:
             self._reap()
             self.process = self._start()
         try:
-            write_frame(self.process.stdin.fileno(), pickle.dumps((pickled_fn, list(calls))))
+            write_frame(self.process.stdin.fileno(), pickle.dumps((pickled_fn, units, timeout_s)))
         except BrokenPipeError:
             raise EOFError from None
 

@@ -2,10 +2,11 @@
 
 The process limits its own address space (RLIMIT_AS) to MEMORY_BYTES, then serves requests from its parent
 (`reward_pool.Lane`) over its stdin/stdout pipes until the parent closes them. A request is a pickled
-`(pickled_fn, calls)`; the function is unpickled once and cached, which imports it by its dotted path (module and
-qualified name) in this process. The reply is one frame saying the function is loaded, then one frame per call:
-`(reward, error, alive)`, where `(reward, error)` is what `rewards.score` returns and `alive=False` says this
-process exits after the frame (a call ran out of memory: its heap is not trusted any more).
+`(pickled_fn, units, timeout_s)`: a `reward_forms.RewardFunction` and its calls split into units (one call each, or
+a whole batch); the function is unpickled once and cached, which imports it by its dotted path (module and qualified
+name) in this process. The reply is one frame saying the function is loaded, then one frame per unit:
+`(outcomes, alive)`, where each outcome is what `rewards.score` returns and `alive=False` says this process exits
+after the frame (a call ran out of memory: its heap is not trusted any more).
 
 Frames are an 8-byte little-endian length and a payload (a pickle, or LOADED). The protocol pipes are private copies of fds 0 and 1; fd 1
 is pointed at stderr so that a reward function's prints cannot corrupt a frame. Only the standard library is
@@ -26,6 +27,7 @@ import time
 
 _LENGTH = struct.Struct("<Q")
 LOADED = b"loaded"
+TIMEOUT = "timeout"
 READ_BYTES = 1 << 20  # the most one read of a pipe asks for
 ORPHAN_POLL_S = 1.0  # how often a worker checks that its parent is alive
 
@@ -84,27 +86,28 @@ def serve(memory_bytes: int) -> None:
     functions: dict[bytes, object] = {}
     while True:
         try:
-            pickled_fn, calls = pickle.loads(read_frame(requests))
+            pickled_fn, units, timeout_s = pickle.loads(read_frame(requests))
         except EOFError:
             return
         if pickled_fn not in functions:
             functions[pickled_fn] = _load(pickled_fn)
         write_frame(replies, LOADED)
-        for call in calls:
-            reward, error, alive = _call(functions[pickled_fn], call, memory_bytes)
-            write_frame(replies, pickle.dumps((reward, error, alive)))
+        for unit in units:
+            outcomes, alive = _run(functions[pickled_fn], unit, timeout_s, memory_bytes)
+            write_frame(replies, pickle.dumps((outcomes, alive)))
             if not alive:
                 os._exit(0)
 
 
-def _call(fn, call: tuple[str, str, str], memory_bytes: int) -> tuple[float, str, bool]:
-    """`(reward, error, alive)`; a MemoryError ends this process (its heap is not trusted any more)."""
+def _run(fn, unit: list, timeout_s: float, memory_bytes: int) -> tuple[list[tuple[float, str]], bool]:
+    """`(outcomes, alive)` of one unit; a MemoryError ends this process (its heap is not trusted any more)."""
     try:
-        return as_reward(fn(*call)) + (True,)
+        return fn.run(unit, timeout_s), True
     except MemoryError as exc:
-        return float("nan"), f"memory limit: past task.reward_memory_bytes={memory_bytes} ({type(exc).__name__})", False
-    except BaseException as exc:  # noqa: BLE001 - anything the user's function raises is recorded
-        return float("nan"), describe(exc), True
+        why = f"memory limit: past task.reward_memory_bytes={memory_bytes} ({type(exc).__name__})"
+        return [(float("nan"), why)] * len(unit), False
+    except BaseException as exc:  # noqa: BLE001 - e.g. a function that could not be loaded
+        return [(float("nan"), describe(exc))] * len(unit), True
 
 
 def _load(pickled_fn: bytes):
@@ -112,12 +115,17 @@ def _load(pickled_fn: bytes):
     try:
         return pickle.loads(pickled_fn)
     except BaseException as exc:  # noqa: BLE001 - reported on every call, never kills the process
-        message = f"cannot load the reward function in the reward process ({type(exc).__name__}: {exc})"
+        return _Unloadable(f"cannot load the reward function in the reward process ({type(exc).__name__}: {exc})")
 
-        def unloadable(*_):
-            raise RuntimeError(message)
 
-        return unloadable
+class _Unloadable:
+    """Stands for a function that could not be unpickled: every call records why."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def run(self, unit: list, timeout_s: float) -> list[tuple[float, str]]:
+        return [(float("nan"), f"RuntimeError: {self.message}")] * len(unit)
 
 
 def _exit_when_orphaned(parent: int) -> None:
