@@ -68,7 +68,7 @@ def test_tool_environment_example(tmp_path):
 def test_ctrl_c_stops_a_run_in_one_line_and_the_folder_resumes(tmp_path):
     run_dir = tmp_path / "run"
     overrides = SMALL_RUN + [f"storage.run_dir={run_dir}", f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db",
-                             "dora.num_updates=8", "storage.checkpoint_interval=2", "dora.max_staleness=1"]
+                             "dora.num_updates=500", "storage.checkpoint_interval=2", "dora.max_staleness=1"]  # stopped long before its end
     proc = dora(tmp_path / "run.txt", "run", "--config", "configs/cpu_demo.yaml", *overrides)
     checkpoints = CheckpointStore(str(run_dir / "checkpoints"))
     deadline = time.time() + 600
@@ -87,11 +87,12 @@ def test_ctrl_c_stops_a_run_in_one_line_and_the_folder_resumes(tmp_path):
     for noise in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
         assert noise not in terminal and noise not in (run_dir / "run.log").read_text(), noise
 
-    resumed = dora(tmp_path / "resume.txt", "resume", str(run_dir))
+    total = max(checkpoints.updates()) + 4  # the resumed run trains three updates past its last checkpoint
+    resumed = dora(tmp_path / "resume.txt", "resume", str(run_dir), f"dora.num_updates={total}")
     try:
         assert resumed.wait(900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
     finally:
         kill_group(resumed)
     assert audit_store(str(run_dir / "trajectories.zarr"), 1).ok
     assert TrajectoryStore.open(str(run_dir / "trajectories.zarr")).read_table("updates")["update"].tolist() \
-        == list(range(8))
+        == list(range(total))
