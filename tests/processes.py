@@ -13,10 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def dora(log_path, *args: str) -> subprocess.Popen:
-    """`dora ...` in its own session, output to a file (a full pipe would stall it)."""
+    """`dora ...` in its own session, output to a file (a full pipe would stall it), with Ctrl-C's signal handled as
+    in a terminal even where the test itself runs in the background (which starts it with SIGINT ignored)."""
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, text=True, start_new_session=True)
+                            cwd=ROOT, text=True, start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
+
+
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt handler at start-up
 
 
 def kill_group(proc: subprocess.Popen) -> None:
