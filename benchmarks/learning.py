@@ -140,6 +140,17 @@ def plot(runs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def warm_started_model(config: str, overrides: list[str], work: str) -> tuple[str, float]:
+    """The benchmark's warm-started policy (cached under `work`) and the seconds its warm start took."""
+    from dora_tasks.core.config import load_config
+    from dora_tasks.warmstart import warm_start
+
+    os.makedirs(work, exist_ok=True)
+    start = time.time()
+    model = warm_start(load_config(config, overrides), os.path.join(work, "warm_start"))
+    return model, time.time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "longtail_bench.yaml"))
@@ -149,14 +160,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides (after LEARNING)")
     args = parser.parse_args()
 
-    from dora_tasks.core.config import load_config
-    from dora_tasks.warmstart import warm_start
-
     overrides = LEARNING + [f"dora.num_updates={args.updates}"] + args.overrides
-    os.makedirs(args.work, exist_ok=True)
     start = time.time()
-    model = warm_start(load_config(args.config, overrides), os.path.join(args.work, "warm_start"))
-    warm_start_s = time.time() - start
+    model, warm_start_s = warm_started_model(args.config, overrides, args.work)
     overrides = overrides + [f"model.path={model}"]
     runs = []
     for label, K, seed in MODES:

@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from learning import LEARNING, RESULTS, ROOT, compare, markdown, run_mode
+from learning import LEARNING, RESULTS, ROOT, compare, markdown, run_mode, warm_started_model
 
 LORA = ["train.lora.rank=16", "train.lora.alpha=32"]
 
@@ -34,14 +34,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides (after LEARNING)")
     args = parser.parse_args()
 
-    from dora_tasks.core.config import load_config
-    from dora_tasks.warmstart import warm_start
-
     overrides = LEARNING + [f"dora.num_updates={args.updates}"] + args.overrides
-    os.makedirs(args.work, exist_ok=True)
     start = time.time()
-    model = warm_start(load_config(args.config, overrides), os.path.join(args.work, "warm_start"))
-    warm_start_s = time.time() - start
+    model, warm_start_s = warm_started_model(args.config, overrides, args.work)
     common = overrides + [f"model.path={model}"]
     modes = [("full", common, 0), (f"LoRA lr {args.lora_lr:g}", common + LORA + [f"train.lr={args.lora_lr}"], 0),
              ("full seed 1", common, 1)]
