@@ -24,6 +24,16 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt handler at start-up
 
 
+def resume_to_end(log_path, run_dir, *overrides: str, timeout_s: float = 900) -> None:
+    """`dora resume run_dir overrides...` run to its end; it must exit 0 (the log's tail says why not)."""
+    resumed = dora(log_path, "resume", str(run_dir), *overrides)
+    try:
+        resumed.wait(timeout=timeout_s)
+    finally:
+        kill_group(resumed)
+    assert resumed.returncode == 0, Path(log_path).read_text()[-5000:]
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """Clean up worker processes the killed driver left behind (they are in its session)."""
     try:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from conftest import SMALL_RUN
-from processes import dora, kill_group
+from processes import dora, kill_group, resume_to_end
 from storage.audit import audit_store
 from storage.trajectory_store import TrajectoryStore
 
@@ -121,12 +121,7 @@ def run_trial(tmp_path, trial: Trial) -> Trial:
         assert proc.returncode == 0, open(log_path).read()[-4000:]
     else:
         trial.resumed = True
-        resumed = dora(tmp_path / f"resume-{trial.seed}.log", "resume", str(run_dir))
-        try:
-            resumed.wait(RUN_TIMEOUT_S)
-        finally:
-            kill_group(resumed)
-        assert resumed.returncode == 0, open(tmp_path / f"resume-{trial.seed}.log").read()[-4000:]
+        resume_to_end(tmp_path / f"resume-{trial.seed}.log", run_dir, timeout_s=RUN_TIMEOUT_S)
     check_whole(run_dir, store)
     return trial
 

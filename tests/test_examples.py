@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import SMALL_RUN
-from processes import dora, kill_group
+from processes import dora, kill_group, resume_to_end
 
 from storage.audit import audit_store
 from storage.checkpoint import CheckpointStore
@@ -88,11 +88,7 @@ def test_ctrl_c_stops_a_run_in_one_line_and_the_folder_resumes(tmp_path):
         assert noise not in terminal and noise not in (run_dir / "run.log").read_text(), noise
 
     total = max(checkpoints.updates()) + 4  # the resumed run trains three updates past its last checkpoint
-    resumed = dora(tmp_path / "resume.txt", "resume", str(run_dir), f"dora.num_updates={total}")
-    try:
-        assert resumed.wait(900) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
-    finally:
-        kill_group(resumed)
+    resume_to_end(tmp_path / "resume.txt", run_dir, f"dora.num_updates={total}")
     assert audit_store(str(run_dir / "trajectories.zarr"), 1).ok
     assert TrajectoryStore.open(str(run_dir / "trajectories.zarr")).read_table("updates")["update"].tolist() \
         == list(range(total))

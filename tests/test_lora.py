@@ -310,7 +310,7 @@ def test_a_lora_run_killed_and_resumed_continues_from_its_adapter_checkpoint(tmp
     from storage.checkpoint import CheckpointStore
     from storage.trajectory_store import TrajectoryStore
     from tests.conftest import SMALL_RUN
-    from tests.processes import dora, kill_group
+    from tests.processes import dora, kill_group, resume_to_end
 
     run_dir, K, N = tmp_path / "run", 1, 5
     proc = dora(tmp_path / "run.log", "run", "--config", "configs/cpu_demo.yaml", *SMALL_RUN,
@@ -328,12 +328,7 @@ def test_a_lora_run_killed_and_resumed_continues_from_its_adapter_checkpoint(tmp
         kill_group(proc)
     trainer_files = os.listdir(checkpoints.latest().file("trainer"))
     assert trainer_files == ["trainer.pt"]
-    resumed = dora(tmp_path / "resume.log", "resume", str(run_dir), "tracking.live_view=false")
-    try:
-        resumed.wait(timeout=900)
-    finally:
-        kill_group(resumed)
-    assert resumed.returncode == 0, (tmp_path / "resume.log").read_text()[-5000:]
+    resume_to_end(tmp_path / "resume.log", run_dir, "tracking.live_view=false")
     store_path = str(run_dir / "trajectories.zarr")
     assert audit_store(store_path, K).ok
     updates = TrajectoryStore.open(store_path).read_table("updates")

@@ -14,7 +14,7 @@ from storage.audit import audit_store
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
 from conftest import SMALL_RUN as SMALL_RUN_ARGS
-from processes import dora, kill_group
+from processes import dora, kill_group, resume_to_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,12 +43,7 @@ def test_driver_killed_by_pid_then_resumed_trains_every_prompt_once(tmp_path):
     before = TrajectoryStore.open(store_path).num_rows("updates")
     assert before < N, "the run finished before it was killed"
 
-    resumed = dora(tmp_path / "resume.log", "resume", str(run_dir), "tracking.live_view=false")
-    try:
-        resumed.wait(timeout=900)
-    finally:
-        kill_group(resumed)
-    assert resumed.returncode == 0, (tmp_path / "resume.log").read_text()[-5000:]
+    resume_to_end(tmp_path / "resume.log", run_dir, "tracking.live_view=false")
 
     report = audit_store(store_path, K)
     assert report.ok, report.to_text()
