@@ -172,6 +172,7 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         row["worker_rss_mib"], row["worker_pss_mib"] = memory_per_worker(workers)
         row["workers"] = len(workers)
         run.driver.subscribe(lambda e: isinstance(e, Turn) and in_flight.append(e.in_flight))
+        orchestration = time_orchestration(run.driver)
         cpu0, sched0, machine0, wall0 = _cpu(me), _cpu(scheduler), psutil.cpu_times(), time.time()
         stream(run.driver)
         wall = time.time() - wall0
@@ -188,10 +189,32 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         "in_flight_max": max(in_flight), "audit_ok": summary.audit_ok,
         "throughput": summary.metrics["throughput_tokens_per_s"], "step_s": summary.metrics["step_time_s"],
         "rollout_bubble": summary.metrics["rollout_bubble"],
+        "orchestration_cpu_s": orchestration[0], "emulated_run_s": summary.metrics["wall_s"],
+        "migrations": summary.metrics.get("migrations", 0.0),
+        "migration_s": summary.metrics.get("migrations", 0.0) * summary.metrics.get("migration_s_mean", 0.0),
     })
     row.update(consume_latency(cfg))
     row["cpu_paced"] = row["core_share"] > CPU_PACED_CORE_SHARE or machine > CPU_PACED_MACHINE_SHARE
     return row
+
+
+def time_orchestration(driver) -> list[float]:
+    """The driver's CPU seconds in the orchestrator's decisions and in submitting the migrations they order (the
+    driver's thread CPU, so that other processes' load does not count), summed into the returned one-item list."""
+    spent = [0.0]
+
+    def timed(call):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - start
+        return wrapper
+
+    driver.orchestrator.decide = timed(driver.orchestrator.decide)
+    driver.migrate = timed(driver.migrate)
+    return spent
 
 
 def _cpu(process) -> float:

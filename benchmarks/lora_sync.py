@@ -31,7 +31,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-QWEN25_32B_INTERMEDIATE = 27648  # Qwen/Qwen2.5-32B config.json intermediate_size (hardware.py holds the rest)
 
 
 def measure(model_cfg, rank: int, reps: int, work: str) -> dict[str, dict[str, float]]:
@@ -76,13 +75,6 @@ def _switches(trainer, rollout, store_root: str, reps: int) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def adapter_params(layers: int, hidden: int, kv_width: int, intermediate: int, rank: int) -> int:
-    """Parameters of rank-`rank` adapters on every attention and MLP projection (A: r x in, B: out x r)."""
-    shapes = [(hidden, hidden), (hidden, kv_width), (hidden, kv_width), (hidden, hidden),
-              (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
-    return layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in shapes)
-
-
 def projected(rank: int) -> dict:
     """Seconds to move a version of Qwen2.5-32B to one instance, full model vs adapter, peer and store paths."""
     from dora_tasks.core.config_emulation import EmulationConfig
@@ -92,8 +84,7 @@ def projected(rank: int) -> dict:
     cost = cost_model_from(emulation)
     m, tp = cost.model, cost.tp
     full = m.weight_bytes
-    adapter = adapter_params(m.layers, m.hidden, m.kv_heads * m.head_dim, QWEN25_32B_INTERMEDIATE, rank) * \
-        m.bytes_per_param
+    adapter = m.adapter_bytes(rank)  # rank-r adapters on every attention and MLP projection
     peer, store = tp * cost.accelerator.network_bandwidth, tp * cost.store_bandwidth
     return {"model": m.name, "accelerator": cost.accelerator.name, "tp": tp, "rank": rank,
             "full_bytes": full, "adapter_bytes": adapter,

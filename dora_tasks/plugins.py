@@ -58,7 +58,8 @@ class RolloutPlugin(WorkerPlugin):
         _set_worker_env()
         from dora_tasks.engines.rollout_factory import make_rollout_engine
         from dora_tasks.rollout_server import RolloutServer
-        from dora_tasks.version_policy import DispatchVersion, PartialRollout
+        from dora_tasks.version_loads import VersionLoads
+        from dora_tasks.version_policy import ConcurrentVersions, DispatchVersion, PartialRollout
         from storage.weight_store import WeightStore
 
         store = WeightStore(self.weight_store)
@@ -68,8 +69,12 @@ class RolloutPlugin(WorkerPlugin):
             return version, "" if version is None else store.path_for(version)
 
         policy = PartialRollout(newest) if self.rollout.partial_rollout else DispatchVersion()
-        self.server = RolloutServer(lambda: make_rollout_engine(self.model_path, self.rollout, version=0,
-                                                                **self.engine_options), policy,
+        if self.rollout.versions_per_instance > 1:
+            policy = ConcurrentVersions(self.rollout.versions_per_instance)
+        self.version_loads = VersionLoads()  # wakes handed-over responses waiting for their version (`steps.resume`)
+        make_engine = self.version_loads.watching(lambda: make_rollout_engine(self.model_path, self.rollout, version=0,
+                                                                              **self.engine_options))
+        self.server = RolloutServer(make_engine, policy,
                                     self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache,
                                     row_streams=self.rollout.per_row_streams)
 

@@ -8,13 +8,16 @@ Which version a batch runs on and which waiting groups may join it is the server
 * `DispatchVersion` (DORA, the default): a batch is the waiting groups of one version, the loaded one first; the
   version changes only when no group of the loaded version is running or waiting, so every token of a group comes
   from its dispatch version (C1).
+* `ConcurrentVersions` (``rollout.versions_per_instance`` = M > 1, LoRA): a batch holds requests of up to M versions,
+  all resident on the engine, each row decoded under its own request's version (C1 per request,
+  `dora_tasks.server_sessions`); a further version waits until one of the batch has no request left.
 * `PartialRollout` (``rollout.partial_rollout``, a baseline for comparison only): every waiting group joins and the
   newest published version is loaded between chunks; a response continues under the new weights (re-encoded from
   its prompt plus the tokens so far, as AReaL's interruptible generation does), so each token's log-prob and version
   are those of the version that produced it and C1 is broken on purpose.
 
-Batching (``rollout.chunk_tokens``), one chunk loop: between chunks, requests whose responses all ended are handed
-back and waiting requests the policy lets join are added. On an engine with ``open_session`` (transformers) running
+Batching (``rollout.chunk_tokens``): between chunks, requests whose responses all ended are handed back and
+waiting requests the policy lets join are added. On an engine with ``open_session`` (transformers) running
 rows keep their KV cache between chunks (``rollout.keep_kv_cache``; `dora_tasks.engines.fast_session` or
 `dora_tasks.engines.hf_session`); otherwise a continuing response is re-encoded by the same weights (vLLM's prefix
 cache keeps that cheap). A response ends at its first eos (kept) or when ``max_new_tokens`` is spent (unfinished).
@@ -49,10 +52,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
-from dora_tasks.core.handover import Continuation, MigrationCost, Resumed, RowState, check_version
+from dora_tasks.core.handover import Continuation, MigrationCost, Resumed, check_version
 from dora_tasks.core.records import Generation
 from dora_tasks.rollout_rows import PartialResponse, TurnEnd
+from dora_tasks.server_sessions import ReencodingSession, open_versions_session
 from dora_tasks.version_policy import DispatchVersion, VersionPolicy
+
+__all__ = ["BusyLog", "ReencodingSession", "RolloutServer"]
 
 CHUNK_SEED_STRIDE = 7919  # a prime: the seeds of a batch's successive chunks do not collide
 
@@ -145,6 +151,9 @@ class RolloutServer:
         with its KV cache where the engine keeps one (re-encoded otherwise), and is answered when it ends (or with a
         new continuation if handed over again). Raises `VersionMismatch` when this server holds another version
         (C1); `weights_path` is that version's, should the server have to load it again before the row joins."""
+        if self._policy.max_versions > 1:
+            raise ValueError("a handed-over response joins an instance of one version: hand-over (rollout.switching="
+                             "migrate) needs rollout.versions_per_instance=1")
         self._check_resumable(continuation)
         request = _Request(continuation.version, weights_path, continuation.prompt_ids.tolist(), 1, continuation.seed,
                            continuation.request_id, arrival=continuation)
@@ -294,6 +303,8 @@ class RolloutServer:
         session, hand back the requests whose responses all ended, let waiting requests the policy allows join.
         A session is opened anew (every live row re-encoded) only when the loaded version changed under it
         (`PartialRollout`)."""
+        if self._policy.max_versions > 1:
+            return self._serve_versions(batch)
         session = None
         active: list[tuple[_Request, list[PartialResponse]]] = []
         pending = list(batch)
@@ -315,6 +326,59 @@ class RolloutServer:
         except BaseException as exc:
             _fail([r for r, _ in active] + pending, exc)
             raise
+
+    def _serve_versions(self, batch: list[_Request]) -> None:
+        """`_serve` under a policy that mixes versions (`ConcurrentVersions`): every version of the batch resident on
+        the engine, each row in the session of its request's version, one chunk of every live row per turn."""
+        session = None
+        active: list[tuple[_Request, list[PartialResponse]]] = []
+        pending, chunk_index = list(batch), 0
+        try:
+            while pending or active:
+                fresh = [(r, self._rows_of(r)) for r in pending]
+                active += fresh
+                engine = self._hold_versions([r for r, _ in active])
+                session = session or open_versions_session(engine, self._keep_kv_cache)
+                budget = engine.max_new_tokens
+                for request, states in fresh:
+                    for s in states:
+                        session.add_on(request.version, id(s), s.prompt_ids + s.tokens, stream=s.stream)
+                live = {id(s): s for _, states in active for s in states if not s.done(budget)}
+                if live:
+                    self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
+                    chunk_index += 1
+                self._give_away(session, [], budget)  # no running row is offered: orders get nothing
+                active = _hand_back_finished(active, budget)
+                pending = self._admit(list(dict.fromkeys(r.version for r, _ in active)))
+        except BaseException as exc:
+            _fail([r for r, _ in active] + pending, exc)
+            raise
+
+    def _admit(self, versions: list[int]) -> list[_Request]:
+        """Waiting requests that join a batch of `versions` (none once all ended: `_take_batch` chooses anew)."""
+        self._engine.resident.running = frozenset(versions)  # a version whose requests all ended may be evicted
+        with self._cond:
+            if not versions:
+                return []
+            joined, self._waiting = self._policy.admit(self._waiting, versions)
+            return joined
+
+    def _hold_versions(self, requests: list[_Request]) -> RolloutEngine:
+        """The engine with every version of `requests` resident: one not resident is loaded in place of the least
+        recently used version that has no request in the batch."""
+        engine = self._started()
+        resident = getattr(engine, "resident", None)
+        if resident is None or resident.capacity < self._policy.max_versions:
+            raise ValueError(f"{type(engine).__name__} does not hold {self._policy.max_versions} versions at once "
+                             "(rollout.versions_per_instance): use train.lora with rollout.engine hf or vllm")
+        paths = {r.version: r.weights_path for r in reversed(requests)}  # the first request's path of each version
+        resident.running = frozenset(paths)
+        for version in dict.fromkeys(r.version for r in requests):
+            if version not in resident:
+                start = time.time()
+                engine.load_version(version, paths[version])
+                self.loads.append((version, start, time.time()))
+        return engine
 
     def _rows_of(self, request: _Request) -> list[PartialResponse]:
         """The responses of a request joining the batch: its `n` samples, or the one response it continues."""
@@ -392,51 +456,6 @@ class RolloutServer:
                 version, path = self._policy.weights_for(requests, self.version)
                 if version == failed:
                     raise
-
-
-class ReencodingSession:
-    """The session of an engine that keeps no KV cache between calls (or with `rollout.keep_kv_cache` off): every
-    chunk re-encodes a row's prompt and tokens so far through `generate`, by the same weights (vLLM's prefix cache
-    keeps that cheap)."""
-
-    def __init__(self, engine: RolloutEngine):
-        self.engine, self.version = engine, engine.version
-        self.rows: dict = {}
-
-    def add(self, key, token_ids, stream=None) -> None:
-        """`stream` is ignored: `generate` draws from one stream per call."""
-        self.rows[key] = list(token_ids)
-
-    def sampler_state(self, key) -> None:
-        return None
-
-    def export(self, key) -> RowState:
-        """Take a row out; no cache travels (the receiver re-encodes it)."""
-        self.rows.pop(key, None)
-        return RowState(self.version, None, None)
-
-    def adopt(self, key, continuation: Continuation) -> MigrationCost:
-        """Take in a row another instance of this version handed over by re-encoding its prompt and response so far
-        (the re-prefill), timed: one `generate` call of one token, which on vLLM also leaves the row's blocks in the
-        prefix cache for the next chunk."""
-        check_version(self.version, continuation)
-        ids = continuation.ids
-        start = time.perf_counter()
-        self.engine.generate([ids], 1, continuation.seed, max_new_tokens=1)
-        seconds = time.perf_counter() - start
-        self.rows[key] = ids
-        return MigrationCost.of(continuation, len(ids), seconds)
-
-    def decode(self, steps: dict, seed: int) -> dict:
-        keys = list(steps)  # one call: the longest step; a row with less room keeps what fits (`extend`)
-        outs = self.engine.generate([self.rows[k] for k in keys], 1, seed, max_new_tokens=max(steps.values()))
-        for key, (g,) in zip(keys, outs):
-            self.rows[key] += g.token_ids.tolist()
-        return {key: g for key, (g,) in zip(keys, outs)}
-
-    def drop(self, keys) -> None:
-        for key in keys:
-            self.rows.pop(key, None)
 
 
 def _hand_back_finished(active: list[tuple[_Request, list[PartialResponse]]], budget: int) -> list:

@@ -10,7 +10,6 @@ that groups which end in the same decode step cost two tasks together, not two e
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,7 @@ import numpy as np
 from distributed import get_worker
 
 from dora_tasks.core.clock import Clock
-from dora_tasks.core.handover import Continuation, HandedOver, ResumedResponse, VersionMismatch, assemble_group
+from dora_tasks.core.handover import Continuation, HandedOver, ResumedResponse, assemble_group
 from dora_tasks.core.records import (Generation, Group, Migration, Prompt, PublishedWeights, TrainBatch,
                                      TrainerRestore, Trajectory, UpdateResult, WeightsReceived)
 
@@ -73,25 +72,18 @@ def resume(held: HandedOver | ResumedResponse, sample: int, weights_path: str, c
 
     A resumed response is one row of this instance's batch, not one of its slots: the task leaves the worker's
     thread pool while it waits (`secede`), so the rows a group's slot freed here can take several. The instance
-    may not have loaded the version yet (its first group of it is on its way): it waits for it, up to
-    `version_wait_s`."""
+    may not have loaded the version yet (its first group of it is on its way): it sleeps until the instance's engine
+    loads a version, up to `version_wait_s` in all (then `VersionWaitTimeout`)."""
     from distributed import secede
 
-    from dora_tasks.plugins import rollout_clock, rollout_server
+    from dora_tasks.plugins import rollout_clock, rollout_plugin, rollout_server
+    from dora_tasks.version_loads import resume_when_loaded
 
     secede()
-    server, clock = rollout_server(), rollout_clock()
+    server, clock, here = rollout_server(), rollout_clock(), get_worker().address
     c = held.continuation(sample)
-    deadline = time.monotonic() + version_wait_s
-    while True:
-        try:
-            resumed = server.resume(c, weights_path)
-            break
-        except VersionMismatch:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    cost, outcome, here = resumed.cost, resumed.outcome, get_worker().address
+    resumed = resume_when_loaded(server, rollout_plugin().version_loads, c, weights_path, version_wait_s, here)
+    cost, outcome = resumed.cost, resumed.outcome
     produced = outcome.versions[len(c.token_ids):]  # the versions of the tokens this instance produced
     served = int(produced[0]) if len(produced) and (produced == produced[0]).all() else -1  # -1: none, or mixed
     group_id, attempt = c.request_id

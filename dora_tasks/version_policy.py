@@ -6,10 +6,14 @@ The rollout server (`dora_tasks.rollout_server`) asks its `VersionPolicy` two th
 * `weights_for(requests, loaded)`: the version (and its weights path) to load before the next chunk of `requests`,
   with `loaded` the version the engine holds now.
 
-Two policies:
+Three policies:
 
 * `DispatchVersion` (DORA, the default): a batch runs on its requests' own dispatch version and only requests of that
   version join, so every token of a group comes from the version it was dispatched with (C1).
+* `ConcurrentVersions(M)` (``rollout.versions_per_instance`` = M > 1, LoRA adapters): a batch holds requests of up
+  to M dispatch versions and every row decodes under its own request's version from its first token to its last (C1
+  per request); a request of a further version waits until a version of the batch has no request left. The server
+  asks it `admit(waiting, versions)` and keeps each version resident on the engine (`weights_for` is not used).
 * `PartialRollout` (the ``rollout.partial_rollout`` baseline, comparison only): every waiting request joins and each
   chunk runs on the newest published version, as AReaL/slime-style partial rollout does. A response continues across
   a weight update, so its per-token versions record the mix (C1 broken on purpose: the audit reports it and the gate,
@@ -32,6 +36,8 @@ R = TypeVar("R", bound=VersionedRequest)
 
 
 class VersionPolicy(ABC):
+    max_versions = 1  # dispatch versions one batch may hold at once
+
     @abstractmethod
     def joiners(self, waiting: Sequence[R], version: int) -> tuple[list[R], list[R]]:
         """(join, stay): the waiting requests that join a batch serving `version`, and the others, in order."""
@@ -42,6 +48,11 @@ class VersionPolicy(ABC):
         engine holds (-1: none). A path may be "" when the version is `loaded` (nothing to load)."""
 
 
+    def admit(self, waiting: Sequence[R], versions: Sequence[int]) -> tuple[list[R], list[R]]:
+        """(join, stay) for a batch that holds requests of `versions` (non-empty); one version per batch here."""
+        return self.joiners(waiting, versions[0])
+
+
 class DispatchVersion(VersionPolicy):
     """DORA: a batch serves one dispatch version, which it keeps until its last response ends."""
 
@@ -50,6 +61,31 @@ class DispatchVersion(VersionPolicy):
 
     def weights_for(self, requests, loaded):
         return requests[0].version, requests[0].weights_path  # the server batches one version (`joiners`)
+
+
+class ConcurrentVersions(VersionPolicy):
+    """Up to `max_versions` dispatch versions in one batch, each request decoded under its own version (C1)."""
+
+    def __init__(self, max_versions: int):
+        if max_versions < 1:
+            raise ValueError(f"rollout.versions_per_instance must be >= 1, got {max_versions}")
+        self.max_versions = max_versions
+
+    def admit(self, waiting, versions):
+        """Requests of the batch's versions join; so do those of further versions, oldest waiting first, while the
+        batch holds fewer than `max_versions`; the others stay, in order."""
+        held, join, stay = list(versions), [], []
+        for r in waiting:
+            if r.version not in held and len(held) < self.max_versions:
+                held.append(r.version)
+            (join if r.version in held else stay).append(r)
+        return join, stay
+
+    def joiners(self, waiting, version):
+        return self.admit(waiting, [version])
+
+    def weights_for(self, requests, loaded):
+        return requests[0].version, requests[0].weights_path  # unused: the server holds every version of the batch
 
 
 class PartialRollout(VersionPolicy):

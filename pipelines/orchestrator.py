@@ -1,12 +1,16 @@
 """The rollout orchestrator (DORA's Algorithm 1): a pure, deterministic state machine over rollout instances.
 
-Each rollout instance serves one policy version at a time and runs up to `slots` groups at once (its engine batches
-them). The orchestrator decides, from events (instances joining and leaving, versions published, groups finishing):
+Each rollout instance serves one policy version at a time (with `rollout.versions_per_instance` = M > 1, up to M
+versions, one LoRA adapter each, its rows shared between them: `pipelines.switching.Concurrent`) and runs up to
+`slots` groups at once (its engine batches them). The orchestrator decides, from events (instances joining and
+leaving, versions published, groups finishing):
 
 * **new prompts start on the newest version**: a new group is created only for a free slot of an instance that holds
   the newest version, so it never waits in a queue long enough to start on an older one;
 * **in-flight groups finish on their own version**: an instance holding an older version takes no new work and
-  switches to a newer one only when its last group has finished (no weight swap under a running group, C1);
+  switches to a newer one only when its last group has finished (no weight swap under a running group, C1); with
+  M > 1 it takes the newest version beside its older groups while that makes at most M versions, and a group still
+  runs on one version on one instance from start to end;
 * **instances follow remaining work**: a free instance goes to the live version with the largest shortfall between
   its proportional share ``N * work_v / sum(work)`` and the instances it already has, where ``work_v`` counts the
   running and queued groups of version v (queued work of an older version appears when its instance died: the group
@@ -22,7 +26,8 @@ and `Migrate` (`pipelines.migration`) and reports all to its observers.
 Free rows are filled instance by instance (in address order), so one publish's new groups pack one engine's batch:
 where engines share cores, spreading them over the least busy instances makes two engines contend for the cores
 with half-full batches. With an engine per device, spreading is the better choice (pick the least busy instance in
-`decide`).
+`decide`). `Concurrent` (M > 1) fills the least busy instance first: an instance still running older requests would
+otherwise queue the newest version's groups behind its full batch while another idles.
 
 Units: a group is dispatched whole (its G requests start together on one instance), but an instance's capacity is
 counted in requests (rows: `slots * group_size`), and engines that report requests ending (`on_request_done`) and
@@ -50,7 +55,7 @@ class OrchestratorInvariantError(AssertionError):
 class Instance:
     address: str
     slots: int  # groups it runs at once when every request of a group runs to the end
-    version: int | None = None  # version currently loaded; None before the first load
+    version: int | None = None  # version its new groups start on (the newest it holds); None before the first load
     running: set[int] = field(default_factory=set)  # groups with unfinished requests here
     kv_budget: int = 0  # KV-cache tokens it holds (0: not reported, never a limit)
     batch_rows: int = 0  # requests its engine decodes at once, the rest queue in it (0: all its rows)
@@ -195,7 +200,7 @@ class Orchestrator:
     def decide(self, capacity: int) -> list[Load | Start | Migrate]:
         """Actions for now. `capacity` is how many new groups the version gate allows to be dispatched."""
         actions: list[Load | Start | Migrate] = list(self.switching.plan(self, capacity))
-        for inst in self.ordered_instances():
+        for inst in self.switching.fill_order(self):
             if not inst.running:
                 target = self.target_version(inst, capacity)
                 if target != inst.version:
@@ -235,19 +240,18 @@ class Orchestrator:
         return Migrate(group_id, tuple(sorted(self.unfinished[group_id])), version, source.address, target.address)
 
     def _next_start(self, inst: Instance, capacity: int) -> Start | None:
-        queue = self.queued.get(inst.version)
-        if queue:
-            group_id = queue.popleft()
-            new = False
+        version = next((v for v in self.switching.restart_versions(self, inst) if self.queued.get(v)), None)
+        if version is not None:  # a group lost with its instance restarts on its own version
+            group_id, new = self.queued[version].popleft(), False
         elif inst.version == self.newest and self._may_create(capacity):
-            group_id, new = self.next_group_id, True
+            group_id, version, new = self.next_group_id, inst.version, True
             self.next_group_id += 1
         else:
             return None
         inst.running.add(group_id)
-        self.running[group_id] = (inst.version, inst.address)
+        self.running[group_id] = (version, inst.address)
         self.unfinished[group_id] = set(range(self.group_size))
-        return Start(inst.address, group_id, inst.version, new)
+        return Start(inst.address, group_id, version, new)
 
     def _creatable(self, capacity: int) -> int:
         return max(0, min(capacity, self.rollout_batch_size - self.in_flight, self.group_budget - self.next_group_id))

@@ -287,6 +287,10 @@ def _store_meta(cfg: Config) -> dict:
             "synthetic": "tokens, behaviour log-probs and rewards (emulated engines)" if cfg.emulated else ""}
 
 
+def _switching(cfg: Config):
+    return switching_named(cfg.rollout.switching, cfg.rollout.versions_per_instance)
+
+
 def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:
     run_dir, store_path = cfg.storage.run_dir, cfg.storage.resolved("trajectory_store")
     os.makedirs(run_dir, exist_ok=True)
@@ -295,7 +299,7 @@ def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orc
     d = cfg.dora
     gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size,
-                        switching=switching_named(cfg.rollout.switching), group_size=cfg.rollout.group_size)
+                        switching=_switching(cfg), group_size=cfg.rollout.group_size)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg), overwrite=overwrite)
 
 
@@ -306,7 +310,7 @@ def _resumed_state(cfg: Config, ckpt):
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,
                         next_group_id=state["orchestrator"]["next_group_id"],
-                        switching=switching_named(cfg.rollout.switching), group_size=cfg.rollout.group_size)
+                        switching=_switching(cfg), group_size=cfg.rollout.group_size)
     for gid, version in sorted(gate.unconsumed.items()):
         orch.requeue(gid, version)
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"), mode="a")

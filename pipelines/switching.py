@@ -11,6 +11,12 @@
   another version), then loads the newest version from a peer that holds it. A leaver whose requests do not all fit
   drains instead. Then, within each version, groups queued on an instance beyond what its engine decodes at once
   move to instances of that version with room (an instance that just switched takes the newest version's backlog).
+* `Concurrent(M)` (`rollout.versions_per_instance` = M > 1; LoRA adapters, one per version): an instance holding
+  requests of fewer than M distinct versions, the newest counted, takes the newest version at once (it loads that
+  version's adapter beside the ones it holds) and starts its new groups in the rows its older requests leave free;
+  rows are shared between its versions. A group queued to restart on an older version may start on any instance
+  that still holds that version; free rows are filled on the least busy instances first. A group still never changes
+  version or instance (C1 per request). With M = 1 it decides as `Drain`.
 
 A strategy is asked once per `Orchestrator.decide`: `plan` before idle instances get their version, `rebalance`
 after, both before free rows are filled. That is the orchestrator's periodic firing, and with it the firing after
@@ -31,6 +37,12 @@ class Switching(Protocol):
     def rebalance(self, orch) -> list:
         """Migrations within each version, once idle instances have been given their version."""
 
+    def restart_versions(self, orch, inst) -> list[int]:
+        """Versions whose queued groups may (re)start on `inst`, in the order they are taken."""
+
+    def fill_order(self, orch) -> list:
+        """The order in which instances are given their version and their free rows filled."""
+
 
 class Drain:
     name, versions_per_instance = "drain", 1
@@ -40,6 +52,12 @@ class Drain:
 
     def rebalance(self, orch):
         return []
+
+    def restart_versions(self, orch, inst):
+        return [inst.version]
+
+    def fill_order(self, orch):
+        return orch.ordered_instances()
 
 
 class Queue(Drain):
@@ -63,7 +81,7 @@ class Queue(Drain):
         return orch.target_version(inst, capacity) == orch.newest
 
 
-class Migrate:
+class Migrate(Drain):
     name, versions_per_instance = "migrate", 1
 
     def plan(self, orch, capacity):
@@ -87,6 +105,36 @@ class Migrate:
         for version in sorted({i.version for i in orch.instances.values() if i.version is not None}):
             actions += balance(orch, [i for i in orch.ordered_instances() if i.version == version])
         return actions
+
+
+class Concurrent(Drain):
+    name = "concurrent"
+
+    def __init__(self, versions_per_instance: int):
+        if versions_per_instance < 1:
+            raise ValueError(f"versions_per_instance: must be >= 1, got {versions_per_instance}")
+        self.versions_per_instance = versions_per_instance
+
+    def plan(self, orch, capacity):
+        actions = []
+        for inst in orch.ordered_instances():
+            if inst.running and inst.version != orch.newest and self._has_room_for_newest(orch, inst):
+                actions.append(orch.assign(inst, orch.newest))
+        return actions
+
+    def _has_room_for_newest(self, orch, inst) -> bool:
+        return len(orch.versions_on(inst) | {orch.newest}) <= self.versions_per_instance
+
+    def restart_versions(self, orch, inst):
+        """Every version it holds an adapter of, oldest first (its restarts are the closest to the staleness bound)."""
+        return sorted(orch.versions_on(inst) | {inst.version})
+
+    def fill_order(self, orch):
+        """Least busy first when M > 1: an instance still running older requests would otherwise take the newest
+        version's groups in address order and queue them behind its full batch while other instances idle."""
+        if self.versions_per_instance == 1:
+            return orch.ordered_instances()
+        return sorted(orch.ordered_instances(), key=lambda i: (orch.used_rows(i), i.address))
 
 
 def proportional_shares(remaining: dict[int, int], instances: int) -> dict[int, int]:
@@ -156,7 +204,13 @@ def balance(orch, serving: list) -> list:
 STRATEGIES = {s.name: s for s in (Drain, Queue, Migrate)}
 
 
-def switching_named(name: str) -> Switching:
+def switching_named(name: str, versions_per_instance: int = 1) -> Switching:
+    """The strategy `rollout.switching` names; `Concurrent(M)` in place of drain when M = versions_per_instance > 1."""
     if name not in STRATEGIES:
         raise ValueError(f"switching: got {name!r}, allowed: {', '.join(STRATEGIES)}")
+    if versions_per_instance > 1:
+        if name != "drain":
+            raise ValueError(f"switching: {name!r} cannot serve {versions_per_instance} versions per instance "
+                             "(an instance leaving its version); use 'drain'")
+        return Concurrent(versions_per_instance)
     return STRATEGIES[name]()

@@ -191,3 +191,26 @@ def test_race_summary_keeps_every_pass_counts_unreached_as_never_and_crashed_apa
     table = stats.race_table([dora, trl], "TRL")
     assert "| DORA K=3 | 2 (1) | 1 of 2 |" in table and "| 3 | 0 | 0 |" not in table
     assert "crashed: CommClosedError" in stats.passes_table(passes)
+
+
+def test_switching_scale_gives_every_instance_work_and_compares_each_switching_with_its_own_size():
+    import pytest
+
+    tools = load("switching_scale")
+    args = tools.parse(["--instances", "64", "--slots", "4", "--max-staleness", "3", "--speedup", "20"])
+    cfg = tools.make_config(tools.settings(args, 64), "/nonexistent", ["rollout.switching=migrate"])
+    assert cfg.dora.rollout_batch_size == 64 * 4 == (3 + 1) * cfg.dora.train_batch_size  # the in-flight cap
+    assert cfg.rollout.switching == "migrate" and cfg.emulation.trainer_gpus == 64 * 2
+    shares = tools.overheads({"orchestration_cpu_s": 1.0, "emulated_run_s": 1000.0, "migration_s": 640.0}, cfg)
+    assert shares["orchestration_share"] == pytest.approx(0.02) and shares["transfer_share"] == pytest.approx(0.01)
+    rows = [{"instances": 8, "switching": s, "throughput": t} for s, t in (("drain", 100), ("queue", 120),
+                                                                          ("migrate", 150))]
+    rows += [{"instances": 16, "switching": "drain", "throughput": 1000}, {"instances": 16, "switching": "m2",
+                                                                           "throughput": 900}]
+    tools.add_gains(rows)
+    assert rows[2]["gain_drain"] == pytest.approx(0.5) and rows[2]["gain_queue"] == pytest.approx(0.25)
+    assert rows[4]["gain_drain"] == pytest.approx(-0.1) and "gain_queue" not in rows[4]
+    assert "gain_drain" not in rows[0] and "gain_queue" not in rows[1]
+    assert [name for name, _ in tools.variants(["m2=rollout.versions_per_instance=2"])][-1] == "m2"
+    with pytest.raises(SystemExit, match="NAME="):
+        tools.variants(["m2"])

@@ -16,6 +16,8 @@ from dora_tasks.core.config_lora import LoraConfig
 from dora_tasks.engines import lora
 from dora_tasks.engines.hf_rollout import HFRolloutEngine
 from dora_tasks.engines.torch_trainer import TorchTrainEngine
+from dora_tasks.rollout_server import RolloutServer
+from dora_tasks.version_policy import ConcurrentVersions
 from storage.weight_store import WeightFiles, WeightStore
 from tests.test_trainers import make_batch
 
@@ -120,11 +122,13 @@ def test_an_adapter_folder_loads_as_a_policy_over_its_base(trained):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_engine_under_adapter_v_gives_the_trainers_logprobs(trained, base):
+def test_vllm_engine_under_adapter_v_gives_the_trainers_logprobs(trained, second, base):
+    """Also with two adapters resident (M = 2): one `generate` call whose prompts name different versions, and a
+    rollout server's mixed batch, give each row its own version's log-probs."""
     from dora_tasks.engines.vllm_rollout import VLLMRolloutEngine
 
     engine, folder, _ = trained
-    cfg = RolloutConfig(engine="vllm", max_new_tokens=16, kv_cache_bytes=16 * 2**20)
+    cfg = RolloutConfig(engine="vllm", max_new_tokens=16, kv_cache_bytes=16 * 2**20, versions_per_instance=2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -135,11 +139,126 @@ def test_vllm_engine_under_adapter_v_gives_the_trainers_logprobs(trained, base):
         engine.model.eval()
         assert engine_logprob_error(engine.model, PROMPTS, sampled) < VLLM_TOLERANCE
         assert all((g.versions == 2).all() for gens in sampled for g in gens)
+        rollout.load_version(3, second)
+        mixed = rollout.generate(PROMPTS, n=2, seed=1, versions=[2, 3, 2])
+        assert [{int(v) for g in gens for v in g.versions} for gens in mixed] == [{2}, {3}, {2}]
+        assert engine_logprob_error(engine.model, PROMPTS[::2], mixed[::2]) < VLLM_TOLERANCE
+        other = HFRolloutEngine(second, RolloutConfig(max_new_tokens=16), version=3).model
+        assert engine_logprob_error(other, PROMPTS[1:2], mixed[1:2]) < VLLM_TOLERANCE
+        assert engine_logprob_error(engine.model, PROMPTS[1:2], mixed[1:2]) > 100 * VLLM_TOLERANCE
+        server = RolloutServer(lambda: rollout, ConcurrentVersions(2), chunk_tokens=4)  # a mixed batch, chunked
+        answers = serve_concurrently(server, [(2, folder, PROMPTS[0], 5), (3, second, PROMPTS[1], 6)])
+        server.close()
+        assert engine_logprob_error(engine.model, PROMPTS[:1], answers[:1]) < VLLM_TOLERANCE
+        assert engine_logprob_error(other, PROMPTS[1:2], answers[1:]) < VLLM_TOLERANCE
         rollout.load_version(0, base)
         with engine.model.disable_adapter():
             assert engine_logprob_error(engine.model, PROMPTS, rollout.generate(PROMPTS, n=1, seed=1)) < VLLM_TOLERANCE
     finally:
         rollout.close()
+
+
+# ---- several versions on one instance (rollout.versions_per_instance) -----------------------------------------------
+@pytest.fixture(scope="module")
+def second(trained, tmp_path_factory) -> str:
+    """Another adapter over the same base (the trained one with its B matrices scaled): a second policy version."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _ = trained
+    other = str(tmp_path_factory.mktemp("adapter") / "v3")
+    shutil.copytree(folder, other)
+    path = os.path.join(other, lora.ADAPTER_WEIGHTS)
+    tensors = {k: (-1.5 * v if ".lora_B." in k else v) for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return other
+
+
+def serve_concurrently(server, requests) -> list:
+    """Each (version, path, prompt, seed) as its own task on `server`, all in flight together; answers in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(server.generate, v, path, prompt, 2, seed) for v, path, prompt, seed in requests]
+        return [f.result(timeout=120) for f in futures]
+
+
+def test_a_batch_of_two_versions_gives_each_request_what_its_version_gives_alone(trained, second, base, monkeypatch):
+    """Two adapters served at once by one transformers instance (M = 2): every request gets the tokens and log-probs
+    it gets served alone by an instance of its own version (per-row streams), and some chunk decoded both."""
+    import threading
+
+    from dora_tasks import server_sessions
+
+    _, v2, _ = trained
+    requests = [(2, v2, PROMPTS[0], 11), (3, second, PROMPTS[1], 12), (2, v2, PROMPTS[2], 13),
+                (3, second, PROMPTS[0], 14)]
+    mixed_chunks, decode = [], server_sessions.TimeSlicedSession.decode
+
+    def spying(session, steps, seed):
+        mixed_chunks.append(len({session.version_of[k] for k in steps}) > 1)
+        return decode(session, steps, seed)
+
+    monkeypatch.setattr(server_sessions.TimeSlicedSession, "decode", spying)
+    queued = threading.Event()  # the engine starts once every request waits: they share the first chunks
+    cfg = RolloutConfig(max_new_tokens=16, versions_per_instance=2)
+    server = RolloutServer(lambda: (queued.wait(30), HFRolloutEngine(base, cfg))[1], ConcurrentVersions(2),
+                           chunk_tokens=4, row_streams=True)
+    threading.Timer(0.5, queued.set).start()
+    together = serve_concurrently(server, requests)
+    server.close()
+    assert any(mixed_chunks), "no chunk decoded rows of both versions"
+    for (version, path, prompt, seed), answers in zip(requests, together):
+        alone = RolloutServer(lambda: HFRolloutEngine(base, RolloutConfig(max_new_tokens=16)), chunk_tokens=4,
+                              row_streams=True)
+        reference = alone.generate(version, path, prompt, 2, seed)
+        alone.close()
+        for mine, theirs in zip(answers, reference):
+            assert (mine.versions == version).all()
+            np.testing.assert_array_equal(mine.token_ids, theirs.token_ids)
+            np.testing.assert_allclose(mine.logprobs, theirs.logprobs, rtol=0, atol=1e-5)
+
+
+def test_without_kv_cache_a_mixed_batch_is_one_generate_call_with_each_rows_version(trained, second, base):
+
+    engine, v2, _ = trained
+    cfg = RolloutConfig(max_new_tokens=12, versions_per_instance=2)
+    server = RolloutServer(lambda: HFRolloutEngine(base, cfg), ConcurrentVersions(2), chunk_tokens=4,
+                           keep_kv_cache=False)
+    requests = [(2, v2, PROMPTS[0], 1), (3, second, PROMPTS[1], 2), (3, second, PROMPTS[2], 3)]
+    answers = serve_concurrently(server, requests)
+    server.close()
+    references = {2: engine.model.eval(), 3: HFRolloutEngine(second, RolloutConfig(), version=3).model}
+    for (version, _, prompt, _), gens in zip(requests, answers):
+        assert all((g.versions == version).all() for g in gens)
+        assert engine_logprob_error(references[version], [prompt], [gens]) < HF_TOLERANCE
+
+
+def test_an_engine_keeps_m_versions_and_evicts_the_lru_idle_one(trained, second, base, monkeypatch, tmp_path):
+    from dora_tasks.engines.resident import AllVersionsRunning
+
+    _, v2, _ = trained
+    engine = HFRolloutEngine(base, RolloutConfig(max_new_tokens=8, versions_per_instance=2))
+    merges, merged_state = [], lora.merged_state
+    monkeypatch.setattr(lora, "merged_state", lambda b, folder: merges.append(folder) or merged_state(b, folder))
+    engine.load_version(2, v2)  # resident: 0 (the base it started from) and 2
+    first = engine.model
+    engine.load_version(0, base)
+    engine.load_version(2, v2)  # resident already: no merge, the same copy
+    assert engine.model is first and merges == [v2] and engine.resident.versions == (0, 2)
+    engine.resident.running = frozenset({2})
+    engine.load_version(3, second)  # 0 is the least recently used and not running: its copy takes version 3
+    assert engine.resident.versions == (2, 3) and engine.model is not first
+    sampled = engine.generate(PROMPTS, n=1, seed=0, versions=[2, 3, 2])
+    assert [int(gens[0].versions[0]) for gens in sampled] == [2, 3, 2]
+    reference = HFRolloutEngine(second, RolloutConfig()).model
+    assert engine_logprob_error(reference, PROMPTS[1:2], sampled[1:2]) < HF_TOLERANCE
+    engine.resident.running = frozenset({2, 3})
+    with pytest.raises(AllVersionsRunning, match="running rows"):
+        engine.load_version(4, v2)
+    engine.resident.running = frozenset({3})
+    with pytest.raises(ValueError, match="safetensors"):  # a failed load: version 2's copy it went into is dropped
+        engine.load_version(4, str(tmp_path))
+    assert engine.resident.versions == (3,) and engine.version == 3 and engine.model is engine.resident.get(3).model
 
 
 # ---- the base's identity ---------------------------------------------------------------------------------------------
@@ -277,17 +396,24 @@ def test_unknown_target_modules_are_named(base):
 
 # ---- a run with adapters ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("K", [0, 1, 3])
-def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_config, K):
+@pytest.mark.parametrize("K, M", [(0, 1), (1, 1), (3, 2)])
+def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_config, K, M):
+    """M = rollout.versions_per_instance: at M = 2 one instance generates two versions at once, each group under its
+    own adapter."""
     from pipelines.run import initial_policy
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
     from storage.trajectory_store import TrajectoryStore
 
-    cfg = small_config("train.lora.rank=8", "train.lora.alpha=16", f"dora.max_staleness={K}", "dora.num_updates=4")
+    shared = ["dora.num_updates=4"]
+    if M > 1:  # one instance, 4 slots, TBS 2: each version is published while the older ones' groups still run
+        shared = ["rollout.instances=1", "rollout.slots=4", "dora.train_batch_size=2", "dora.num_updates=8"]
+    cfg = small_config("train.lora.rank=8", "train.lora.alpha=16", f"dora.max_staleness={K}",
+                       f"rollout.versions_per_instance={M}", *shared)
     summary = run_pipeline(cfg)
     report = audit_store(summary.store, K)
     assert report.ok, report.to_text()
+    assert report.max_versions_per_instance == M
     table = TrajectoryStore.open(summary.store).read_table("trajectories", ["version", "consumed_by"])
     G, TBS, N = cfg.rollout.group_size, cfg.dora.train_batch_size, cfg.dora.num_updates
     consumed = table["consumed_by"] >= 0

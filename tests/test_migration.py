@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,9 +25,10 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora_tasks.core.handover import ResumedResponse, assemble_group
+from dora_tasks.core.handover import ResumedResponse, assemble_group, check_version
 from dora_tasks.core.records import Group, Migration, Prompt, Trajectory
 from dora_tasks.model import load_causal_lm
+from dora_tasks.version_loads import VersionLeft, VersionLoads, VersionWaitTimeout, resume_when_loaded
 from pipelines.migration import ROLLOUT_TASK, Holder, Moves
 from pipelines.orchestrator import Migrate
 from storage.audit import audit_store
@@ -155,6 +158,65 @@ def test_a_moved_group_is_put_back_together_in_sample_order_with_every_move():
     pieces[0].trajectory = None
     with pytest.raises(ValueError, match="handed over again"):
         assemble_group(pieces)
+
+
+# ---- a handed-over response waiting for its instance to load its version ---------------------------------------
+class LoadingServer:
+    """A rollout server whose engine holds `version` and loads another when told (`load`), as its thread would;
+    `resume` answers only a continuation of the version held (C1) and counts the questions."""
+
+    def __init__(self, loads, version: int):
+        self.engine = loads.watching(lambda: SimpleNamespace(version=version, load_version=self._set))()
+        self.asked = 0
+
+    def _set(self, version: int, weights_path: str) -> None:
+        self.engine.version = version
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, version: int, after_s: float) -> threading.Thread:
+        thread = threading.Thread(target=lambda: (time.sleep(after_s), self.engine.load_version(version, "w")))
+        thread.start()
+        return thread
+
+    def resume(self, continuation, weights_path: str) -> str:
+        self.asked += 1
+        check_version(self.version, continuation)
+        return f"resumed on {self.version}"
+
+
+def waiting_continuation(version: int) -> SimpleNamespace:
+    return SimpleNamespace(version=version, request_id=(7, 0), sample_index=2)
+
+
+def test_a_resume_wakes_when_its_instance_loads_the_version_without_asking_meanwhile():
+    loads = VersionLoads()
+    server = LoadingServer(loads, version=0)
+    start = time.monotonic()
+    loading = [server.load(1, after_s=0.1), server.load(2, after_s=0.4)]  # an older version first: it looks, waits on
+    answer = resume_when_loaded(server, loads, waiting_continuation(2), "/store/v2", wait_s=30.0)
+    late = time.monotonic() - start - 0.4
+    for thread in loading:
+        thread.join()
+    assert answer == "resumed on 2"
+    assert late < 0.2, f"answered {late:.3f} s after the load"
+    assert server.asked == 3, f"the server was asked {server.asked} times: at first and after each of two loads"
+
+
+def test_a_resume_whose_version_never_loads_names_the_version_and_the_store_and_one_moved_past_it_fails_at_once():
+    server = LoadingServer(VersionLoads(), version=1)
+    start = time.monotonic()
+    with pytest.raises(VersionWaitTimeout, match=r"(?s)version 4 waited 0.3 s.*instance tcp://b:1.*'/store/v4'.*"
+                                                 r"serves version 1"):
+        resume_when_loaded(server, VersionLoads(), waiting_continuation(4), "/store/v4", 0.3, "tcp://b:1")
+    assert 0.3 <= time.monotonic() - start < 2.0 and server.asked == 1
+    server.load(5, after_s=0.0).join()  # the instance moved past version 4: no wait at all
+    start = time.monotonic()
+    with pytest.raises(VersionLeft, match=r"version 4: rollout instance tcp://b:1 serves version 5 already"):
+        resume_when_loaded(server, VersionLoads(), waiting_continuation(4), "/store/v4", 30.0, "tcp://b:1")
+    assert time.monotonic() - start < 1.0
 
 
 # ---- the store's migrations table and its audit ----------------------------------------------------------------

@@ -180,6 +180,16 @@ def test_version_policies_choose_joiners_and_weights():
     assert partial.weights_for([_Req(7)], loaded=6) == (7, "/w/7")  # a dispatch version newer than the listing
 
 
+def test_concurrent_versions_admit_up_to_m_versions_in_arrival_order():
+    from dora_tasks.version_policy import ConcurrentVersions
+
+    waiting = [_Req(v) for v in (1, 3, 2, 1, 4, 3)]
+    join, stay = ConcurrentVersions(2).admit(waiting, [1])
+    assert [r.version for r in join] == [1, 3, 1, 3] and [r.version for r in stay] == [2, 4]
+    join, stay = ConcurrentVersions(3).admit(waiting, [5, 6])
+    assert [r.version for r in join] == [1, 1] and [r.version for r in stay] == [3, 2, 4, 3]
+
+
 class RetainingEngine(ScriptedEngine):
     """Loading a version no longer in `store` fails as loading a deleted folder does."""
 

@@ -123,6 +123,9 @@ class RolloutConfig:
     #                                  at home; null = on with switching=migrate, off otherwise (one draw per decode
     #                                  step for the whole batch is cheaper)
     partial_rollout: bool = False  # baseline only: swap weights mid-generation (breaks C1 on purpose); chunked
+    versions_per_instance: int = 1  # M: policy versions one instance serves at once (one adapter each; rows
+    #                                 shared between them); > 1 needs adapters: train.lora (emulated engines:
+    #                                 emulation.lora_rank), and rollout.switching=drain (pipelines/switching.py)
 
     @property
     def per_row_streams(self) -> bool:
@@ -151,6 +154,20 @@ class RolloutConfig:
         _require(self.chunk_tokens >= 1 or not self.partial_rollout, "rollout.chunk_tokens",
                  "must be >= 1 with rollout.partial_rollout=true (the newest version is loaded between chunks)")
         _require(self.kv_cache_bytes > 0, "rollout.kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
+        self._validate_versions_per_instance()
+
+    def _validate_versions_per_instance(self) -> None:
+        m = self.versions_per_instance
+        _require(m >= 1, "rollout.versions_per_instance", f"must be >= 1, got {m}")
+        if m == 1:
+            return
+        _require(not self.partial_rollout, "rollout.versions_per_instance",
+                 f"{m} serves each request with its own version's adapter from start to end; the partial-rollout "
+                 "baseline (rollout.partial_rollout=true) swaps versions under running requests: set one of them off")
+        _require(self.switching == "drain", "rollout.versions_per_instance",
+                 f"{m} lets an instance take the newest version beside its older ones, which replaces "
+                 f"rollout.switching={self.switching!r} (an instance leaving its version); keep "
+                 "rollout.switching=drain")
 
 
 @dataclass
@@ -358,6 +375,11 @@ class Config:
         if self.emulated and not self.task.reward_fn:
             self.task.reward_fn = EMULATED_REWARD
         check_episodes(self)
+        adapters = self.emulation.lora_rank > 0 if self.emulated else self.train.lora.enabled
+        _require(self.rollout.versions_per_instance == 1 or adapters, "rollout.versions_per_instance",
+                 f"{self.rollout.versions_per_instance} needs one adapter per version on an instance: set "
+                 "train.lora.rank > 0 (emulated engines: emulation.lora_rank > 0); full-weight versions are one "
+                 "per instance")
         if self.rollout.partial_rollout:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")

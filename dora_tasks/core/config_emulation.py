@@ -33,6 +33,9 @@ class EmulationConfig:
     weight_source: str = "peer"  # where an instance loads a new version from: "peer" (an instance holding it, over
     #                              the network, as DORA's weight transfer) or "store" (the weight store's bandwidth)
     max_rows: int = 256  # sequences one instance decodes at once at most (vLLM's max_num_seqs)
+    lora_rank: int = 0  # the emulated policy trains rank-r LoRA adapters: versions after 0 move as adapters and decode
+    #                     steps pay for their adapters (cost_model.py); 0 = full weights
+    lora_step_s: float = 2e-3  # per decode step of batched multi-adapter kernels (Punica, arXiv:2310.18547)
 
     def validate(self) -> None:
         from_names = {"accelerator": ("H800", "H100", "H200"), "model": ("qwen2.5-32b", "qwen2.5-7b")}
@@ -48,3 +51,5 @@ class EmulationConfig:
         _require(0 <= self.reward_rate <= 1, "emulation.reward_rate", f"must be in [0, 1], got {self.reward_rate}")
         _choice(self.weight_source, "emulation.weight_source", ("peer", "store"))
         _require(self.max_rows >= 1, "emulation.max_rows", f"must be >= 1, got {self.max_rows}")
+        _require(self.lora_rank >= 0, "emulation.lora_rank", f"must be >= 0 (0 = full weights), got {self.lora_rank}")
+        _require(self.lora_step_s >= 0, "emulation.lora_step_s", f"must be >= 0, got {self.lora_step_s}")

@@ -11,7 +11,13 @@ are split over them, so bandwidth and FLOP/s add up. The formulas (each a roofli
 * training on sequences of lengths ``l_i``: ``f P sum(l_i) + f L d sum(l_i^2)`` FLOPs at ``gpus * peak * train_mfu``,
   with ``f = train_flops_factor`` (8: a forward for the old log-probs, then forward and backward; causal attention);
 * weights moved: ``W`` bytes over the bandwidth of the path (each of the `tp` accelerators takes its shard in
-  parallel over its own link).
+  parallel over its own link); with LoRA (`lora_rank` > 0) a version after the base moves as its adapter alone,
+  ``A`` bytes (rank-r adapters on every attention and MLP projection, `ModelSpec.adapter_bytes`);
+* LoRA decode: a step whose rows use `a` distinct adapters (one per policy version an instance serves at once) adds
+  ``lora_step_s + a * A / (tp * HBM * bandwidth_efficiency)``: a flat cost of the batched multi-adapter kernels,
+  plus each distinct adapter's weights read once a step (S-LoRA, arXiv:2311.03285, and Punica's SGMV,
+  arXiv:2310.18547, gather each adapter once per batch). The flat term is outside the roofline's max (an upper
+  bound: it is not hidden under a memory-bound step).
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ class CostModel:
     train_flops_factor: float = 8.0
     memory_utilization: float = 0.9  # share of HBM an engine may use (vLLM's gpu_memory_utilization)
     store_bandwidth: float = 2e9  # bytes/s per accelerator reading the weight store
+    lora_rank: int = 0  # rank of the policy's LoRA adapters; 0 = full weights (no adapter cost, full-weight loads)
+    lora_step_s: float = 2e-3  # added per decode step by batched multi-adapter LoRA kernels: Punica reports "only
+    #                            adding 2ms latency per token" (Chen et al., arXiv:2310.18547, abstract)
 
     @classmethod
     def named(cls, accelerator: str, model: str, **settings) -> "CostModel":
@@ -47,13 +56,26 @@ class CostModel:
             raise ValueError(f"{self.model.name} does not fit on {self.tp} x {self.accelerator.name}")
         return int(free // self.model.kv_bytes_per_token)
 
-    def decode_step_s(self, rows: int, context: int) -> float:
-        """One decode step of `rows` sequences whose caches hold `context` tokens in all."""
+    def decode_step_s(self, rows: int, context: int, adapters: int = 0) -> float:
+        """One decode step of `rows` sequences whose caches hold `context` tokens in all, using `adapters` distinct
+        LoRA adapters (ignored when `lora_rank` is 0)."""
         if rows <= 0:
             return 0.0
-        return max(a + b * context for a, b in self._decode_lines(rows)) + self._all_reduce_s(rows)
+        return (max(a + b * context for a, b in self._decode_lines(rows)) + self._all_reduce_s(rows)
+                + self.adapter_step_s(adapters))
 
-    def decode_steps_s(self, rows: int, context: int, steps: int) -> float:
+    def adapter_step_s(self, adapters: int) -> float:
+        """What a decode step pays for its rows' `adapters` distinct LoRA adapters (see the module's formulas)."""
+        if self.lora_rank <= 0 or adapters <= 0:
+            return 0.0
+        bandwidth = self.tp * self.accelerator.hbm_bandwidth * self.bandwidth_efficiency
+        return self.lora_step_s + adapters * self.adapter_bytes / bandwidth
+
+    @property
+    def adapter_bytes(self) -> float:
+        return self.model.adapter_bytes(self.lora_rank)
+
+    def decode_steps_s(self, rows: int, context: int, steps: int, adapters: int = 0) -> float:
         """`steps` decode steps of a batch of `rows` sequences whose caches hold `context` tokens at the first and
         grow by `rows` tokens a step: the sum of `decode_step_s`, in closed form (each roofline is linear in the
         context, so the sum splits where the steeper one overtakes the other)."""
@@ -69,7 +91,7 @@ class CostModel:
             return n * a + b * (n * c0 + rows * n * (n - 1) / 2)
 
         return (run(a1, b1, context, crossing) + run(a2, b2, context + crossing * rows, steps - crossing)
-                + steps * self._all_reduce_s(rows))
+                + steps * (self._all_reduce_s(rows) + self.adapter_step_s(adapters)))
 
     def _decode_lines(self, rows: int) -> tuple[tuple[float, float], tuple[float, float]]:
         """Memory and compute time of a decode step as (seconds, seconds per context token)."""
@@ -112,12 +134,16 @@ class CostModel:
         flops = self.train_flops_factor * (m.params * total + m.layers * m.attention_width * square)
         return flops / (gpus * self.accelerator.peak_flops * self.train_mfu)
 
-    def weights_from_peer_s(self) -> float:
-        """An instance takes a version from an instance that holds it, each accelerator its shard over its NIC."""
-        return self.model.weight_bytes / (self.tp * self.accelerator.network_bandwidth)
+    def version_bytes(self, adapter: bool = False) -> float:
+        """Bytes of a version: its adapter (`adapter` and LoRA on), else the whole model."""
+        return self.adapter_bytes if adapter and self.lora_rank > 0 else self.model.weight_bytes
 
-    def weights_from_store_s(self) -> float:
-        return self.model.weight_bytes / (self.tp * self.store_bandwidth)
+    def weights_from_peer_s(self, adapter: bool = False) -> float:
+        """An instance takes a version from an instance that holds it, each accelerator its shard over its NIC."""
+        return self.version_bytes(adapter) / (self.tp * self.accelerator.network_bandwidth)
+
+    def weights_from_store_s(self, adapter: bool = False) -> float:
+        return self.version_bytes(adapter) / (self.tp * self.store_bandwidth)
 
     def kv_transfer_s(self, tokens: int) -> float:
         """Moving one request's KV cache of `tokens` tokens to another instance (request migration)."""
@@ -129,4 +155,5 @@ def cost_model_from(emulation) -> CostModel:
     e = emulation
     return CostModel.named(e.accelerator, e.model, tp=e.tp, bandwidth_efficiency=e.bandwidth_efficiency,
                            decode_mfu=e.decode_mfu, prefill_mfu=e.prefill_mfu, train_mfu=e.train_mfu,
-                           train_flops_factor=e.train_flops_factor, store_bandwidth=e.store_bandwidth)
+                           train_flops_factor=e.train_flops_factor, store_bandwidth=e.store_bandwidth,
+                           lora_rank=e.lora_rank, lora_step_s=e.lora_step_s)

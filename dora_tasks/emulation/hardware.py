@@ -23,7 +23,18 @@ class ModelSpec:
     q_heads: int
     kv_heads: int
     head_dim: int
+    intermediate: int  # MLP width
     bytes_per_param: int = 2  # BF16
+
+    def adapter_params(self, rank: int) -> int:
+        """Parameters of rank-`rank` LoRA adapters on every attention and MLP projection (A: r x in, B: out x r)."""
+        kv = self.kv_heads * self.head_dim
+        shapes = [(self.hidden, self.hidden), (self.hidden, kv), (self.hidden, kv), (self.hidden, self.hidden),
+                  (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        return self.layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in shapes)
+
+    def adapter_bytes(self, rank: int) -> float:
+        return self.adapter_params(rank) * self.bytes_per_param
 
     @property
     def weight_bytes(self) -> float:
@@ -52,8 +63,10 @@ ACCELERATORS = {
 
 MODELS = {
     # Qwen2.5-32B config.json (Hugging Face Qwen/Qwen2.5-32B): 64 layers, hidden 5120, 40 query heads, 8 KV heads of
-    # 128; 32.5B parameters (Qwen2.5 technical report). KV cache: 2 x 64 x 8 x 128 x 2 bytes = 256 KiB per token.
-    "qwen2.5-32b": ModelSpec("Qwen2.5-32B", 32.5e9, 64, 5120, 40, 8, 128),
-    # Qwen2.5-7B config.json: 28 layers, hidden 3584, 28 query heads, 4 KV heads of 128; 7.6B parameters.
-    "qwen2.5-7b": ModelSpec("Qwen2.5-7B", 7.6e9, 28, 3584, 28, 4, 128),
+    # 128, intermediate_size 27648; 32.5B parameters (Qwen2.5 technical report). KV cache: 2 x 64 x 8 x 128 x 2
+    # bytes = 256 KiB per token.
+    "qwen2.5-32b": ModelSpec("Qwen2.5-32B", 32.5e9, 64, 5120, 40, 8, 128, 27648),
+    # Qwen2.5-7B config.json: 28 layers, hidden 3584, 28 query heads, 4 KV heads of 128, intermediate_size 18944;
+    # 7.6B parameters.
+    "qwen2.5-7b": ModelSpec("Qwen2.5-7B", 7.6e9, 28, 3584, 28, 4, 128, 18944),
 }

@@ -17,7 +17,14 @@ divided by `emulation.speedup`.
   is prefilled again (prompt + tokens so far) when it is admitted, as vLLM's recompute preemption does.
 * Cost of a call: `prefill_s` of each newly admitted row, plus the sum over the call's steps of
   `decode_step_s(rows still running, their total context)`, rows leaving as they end.
-* `load_version` sleeps the weight-load time (`emulation.weight_source`: from a peer instance or from the store).
+* `load_version` sleeps the weight-load time (`emulation.weight_source`: from a peer instance or from the store);
+  with `emulation.lora_rank` > 0 a version after 0 is its adapter's bytes, and every decode step pays for the
+  distinct adapters of its rows (`CostModel.adapter_step_s`).
+* Several versions at once (``rollout.versions_per_instance`` = M > 1): up to M versions resident (`resident`, least
+  recently used out; a resident one loads for free), and `open_session(version)` opens a view of the one batch all
+  of them share (`VersionView`): the first view to decode in a chunk admits and pays for the whole batch (KV budget,
+  `max_rows`; the other versions' rows for this call's chunk), the others then take their rows' tokens, already
+  paid; so a step holding rows of several adapters costs one step over all of them, not one per version.
 """
 from __future__ import annotations
 
@@ -34,12 +41,15 @@ from dora_tasks.core.records import Generation
 from dora_tasks.emulation.cost_model import CostModel, cost_model_from
 from dora_tasks.emulation.lengths import length_model_from
 from dora_tasks.emulation.task import SAMPLE_BASE, is_emulated_model, prompt_id_of, response_token_ids
+from dora_tasks.engines.resident import ResidentVersions
 
 SYNTHETIC_LOGPROB = -1.0  # behaviour log-prob of every emulated token: SYNTHETIC, no model sampled it
 _EMPTY_I, _EMPTY_F = np.zeros(0, np.int32), np.zeros(0, np.float32)
 
 
 class EmulatedRolloutEngine(RolloutEngine):
+    opens_version_sessions = True  # `open_session(version)`: a view of the batch every resident version shares
+
     def __init__(self, model_path: str, rollout_cfg, version: int = 0, *, emulation, seed: int = 0):
         self.version = version
         self.cost = cost_model_from(emulation)
@@ -49,33 +59,57 @@ class EmulatedRolloutEngine(RolloutEngine):
         self.max_rows = emulation.max_rows
         self.capacity = self.cost.kv_capacity_tokens()
         self._budget = rollout_cfg.max_new_tokens
-        self._load_s = (self.cost.weights_from_peer_s() if emulation.weight_source == "peer"
-                        else self.cost.weights_from_store_s())
+        peer = emulation.weight_source == "peer"
+        self._load_s = {adapter: self.cost.weights_from_peer_s(adapter) if peer else self.cost.weights_from_store_s(
+            adapter) for adapter in (False, True)}  # a version after 0 moves as its adapter (with LoRA)
         self.emulated_s = 0.0  # emulated seconds this engine has spent (decoding, prefilling, loading)
+        versions = getattr(rollout_cfg, "versions_per_instance", 1)
+        self.resident: ResidentVersions[bool] | None = ResidentVersions(versions) if versions > 1 else None
+        if self.resident is not None:
+            self.resident.put(version, True)
+        self._shared: EmulatedSession | None = None  # the batch the versions' views share
 
     @property
     def max_new_tokens(self) -> int:
         return self._budget
 
     def load_version(self, version: int, weights_path: str) -> None:
+        """Make `version` the loaded one; with several versions held, a resident one costs nothing and a new one takes
+        the place of the least recently used version not running."""
         from storage.objectstore import local_folder
 
+        if self.resident is not None and version in self.resident:
+            self.resident.get(version)
+            self.version = version
+            return
         if not is_emulated_model(local_folder(weights_path)):  # on an object store: via the worker's cache
             raise OSError(f"{weights_path!r} holds no emulated model "
                           "(rollout.engine=emulated needs task.name=emulated)")
-        self.spend(self._load_s)
+        if self.resident is not None and (victim := self.resident.victim()) is not None:
+            self.resident.pop(victim)
+        self.spend(self._load_s[version > 0])
         self.version = version
+        if self.resident is not None:
+            self.resident.put(version, True)
 
-    def open_session(self) -> "EmulatedSession":
-        return EmulatedSession(self)
+    def open_session(self, version: int | None = None) -> "EmulatedSession | VersionView":
+        """A session on the loaded version; with several versions (`resident`) and a `version`, a view of the batch
+        every resident version shares."""
+        if version is None or self.resident is None:
+            return EmulatedSession(self)
+        self.resident.get(version)  # KeyError naming it when it is not resident
+        if self._shared is None:  # one for the engine's life: every view, open or to come, shares its batch
+            self._shared = EmulatedSession(self)
+        return VersionView(self._shared, version)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
-                 max_new_tokens: int | None = None) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *, max_new_tokens: int | None = None,
+                 versions: Sequence[int] | None = None) -> list[list[Generation]]:
+        """`versions`: each prompt's version (several versions in one batch), default the loaded one."""
         budget = max_new_tokens or self._budget
-        session = self.open_session()
+        session = EmulatedSession(self)
         keys = [(i, j) for i in range(len(prompts)) for j in range(n)]
         for i, j in keys:
-            session.add((i, j), prompts[i])
+            session.add((i, j), prompts[i], version=None if versions is None else versions[i])
         parts: dict = {k: [] for k in keys}
         live = dict.fromkeys(keys, 0)
         while live:
@@ -99,19 +133,23 @@ class _Row:
     context: int  # prompt + tokens generated so far
     target: int  # its response length
     generated: int
+    version: int  # the version (adapter) it is decoded under
     cached: bool = False  # its KV cache is on the instance (admitted and not preempted since)
 
 
 class EmulatedSession(DecodeSession):
-    """Rows decoded together on one loaded version; dict order is the admission order (first come first served)."""
+    """Rows decoded together, on the loaded version (or each on its own, `add(version=)`); dict order is the admission
+    order (first come first served)."""
 
     def __init__(self, engine: EmulatedRolloutEngine):
         self.engine, self.version = engine, engine.version
         self.rows: dict[Hashable, _Row] = {}
         self._added: Counter = Counter()  # rows of each prompt id added so far: the next sample index
+        self._paid: dict[Hashable, int] = {}  # tokens of rows decoded and paid for with another row's call
 
-    def add(self, key: Hashable, token_ids: Sequence[int], stream: int | bytes | None = None) -> None:
-        """`stream` is ignored: emulated tokens are not sampled."""
+    def add(self, key: Hashable, token_ids: Sequence[int], stream: int | bytes | None = None,
+            version: int | None = None) -> None:
+        """`stream` is ignored: emulated tokens are not sampled. `version`: the row's own (default the session's)."""
         prompt_id = prompt_id_of(token_ids)
         start = next((i for i in range(2, len(token_ids)) if token_ids[i] >= SAMPLE_BASE), len(token_ids))
         if start < len(token_ids):
@@ -120,11 +158,13 @@ class EmulatedSession(DecodeSession):
             sample = self._added[prompt_id] % self.engine.group_size
             self._added[prompt_id] += 1
         target = self.engine.lengths.response_tokens(prompt_id, sample)
-        self.rows[key] = _Row(sample, len(token_ids), target, len(token_ids) - start)
+        self.rows[key] = _Row(sample, len(token_ids), target, len(token_ids) - start,
+                              self.version if version is None else version)
 
     def drop(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.rows.pop(key, None)
+            self._paid.pop(key, None)
 
     def sampler_state(self, key: Hashable) -> None:
         return None
@@ -143,11 +183,20 @@ class EmulatedSession(DecodeSession):
         return MigrationCost.of(continuation, len(ids), self.engine.cost.prefill_s(len(ids)))
 
     def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
-        wanted = {k: max(0, min(n, self.rows[k].target - self.rows[k].generated)) for k, n in steps.items()}
-        admitted, prefill = self._admit(wanted)
-        self.engine.spend(prefill + decode_cost(self.engine.cost, [(self.rows[k].context, wanted[k])
-                                                                   for k in admitted]))
-        return {k: self._emit(k, wanted[k] if k in admitted else 0) for k in steps}
+        return self.decode_part(steps, steps)
+
+    def decode_part(self, steps: Mapping[Hashable, int], batch: Mapping[Hashable, int]) -> dict[Hashable, Generation]:
+        """Decode the rows of `steps` as part of `batch` (every row this turn decodes, `steps` among them). When a row
+        of `steps` has not been paid for, the batch is admitted and paid for together (its prefills and decode
+        steps), and the tokens of its other rows are kept as paid until their own call takes them."""
+        wanted = {k: max(0, min(n, self.rows[k].target - self.rows[k].generated)) for k, n in batch.items()}
+        if any(wanted[k] > self._paid.get(k, 0) for k in steps):
+            admitted, prefill = self._admit(wanted)
+            order = list(admitted)
+            rows = [(self.rows[k].context, wanted[k]) for k in order]
+            self.engine.spend(prefill + decode_cost(self.engine.cost, rows, [self.rows[k].version for k in order]))
+            self._paid = {k: wanted[k] for k in order}
+        return {k: self._emit(k, min(wanted[k], self._paid.pop(k, 0))) for k in steps}
 
     def _admit(self, wanted: Mapping[Hashable, int]) -> tuple[set, float]:
         """The rows that decode in this call, and the prefill time of those whose cache was not held."""
@@ -168,7 +217,8 @@ class EmulatedSession(DecodeSession):
         return admitted, prefill
 
     def _emit(self, key: Hashable, count: int) -> Generation:
-        row, v = self.rows[key], self.version
+        row = self.rows[key]
+        v = row.version
         tokens = response_token_ids(row.sample, row.generated, count) if count else _EMPTY_I
         row.generated += count
         row.context += count
@@ -178,16 +228,22 @@ class EmulatedSession(DecodeSession):
                           np.full(count, v, np.int32) if count else _EMPTY_I, finished)
 
 
-def decode_cost(cost: CostModel, rows: Sequence[tuple[int, int]]) -> float:
+def decode_cost(cost: CostModel, rows: Sequence[tuple[int, int]], versions: Sequence[int] | None = None) -> float:
     """Seconds to decode rows given as (context, tokens) together, each leaving after its tokens: the sum over steps
-    s of `decode_step_s(rows still running, sum of their context + s)`."""
+    s of `decode_step_s(rows still running, sum of their context + s, their distinct versions)`; `versions`: each
+    row's (LoRA adapter; default one version for all)."""
     total, step = 0.0, 0
     count, context = len(rows), sum(c for c, _ in rows)
-    for own_context, ends in sorted(rows, key=lambda r: r[1]):
+    running = Counter(versions if versions is not None else [0] * len(rows))
+    tagged = zip(rows, versions if versions is not None else [0] * len(rows))
+    for (own_context, ends), version in sorted(tagged, key=lambda r: r[0][1]):
         if ends > step:
-            total += _sum_steps(cost, count, context, step, ends)
+            total += _sum_steps(cost, count, context, step, ends) + (ends - step) * cost.adapter_step_s(len(running))
             step = ends
         count, context = count - 1, context - own_context
+        running[version] -= 1
+        if not running[version]:
+            del running[version]
     return total
 
 
@@ -206,6 +262,34 @@ def _sum_steps(cost: CostModel, rows: int, context: int, a: int, b: int) -> floa
     if abs(f(mid) - chord) <= 1e-9 * max(abs(chord), 1e-12):
         return n * (first + last) / 2
     return _sum_steps(cost, rows, context, a, mid + 1) + _sum_steps(cost, rows, context, mid + 1, b)
+
+
+class VersionView:
+    """One version's rows in the batch all resident versions share (`EmulatedRolloutEngine.open_session(version)`):
+    its decode runs as part of that batch, the other versions' rows counted at this call's chunk."""
+
+    def __init__(self, shared: EmulatedSession, version: int):
+        self.shared, self.version = shared, version
+        self.keys: set = set()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, key: Hashable, token_ids: Sequence[int], stream: int | bytes | None = None) -> None:
+        self.shared.add(key, token_ids, version=self.version)
+        self.keys.add(key)
+
+    def decode(self, steps: Mapping[Hashable, int], seed: int) -> dict[Hashable, Generation]:
+        chunk = max(steps.values(), default=0)
+        batch = {**{k: chunk for k in self.shared.rows}, **steps}
+        return self.shared.decode_part(steps, batch)
+
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        self.shared.drop(keys)
+        self.keys.difference_update(keys)
+
+    def sampler_state(self, key: Hashable) -> None:
+        return None
 
 
 def _concat(parts: list[Generation]) -> Generation:

@@ -18,13 +18,23 @@ decode step written out in plain torch, `rollout.fast_decode`, Qwen2/Llama layou
 LoRA (`train.lora`): a version published as an adapter folder is merged into a copy of the base weights (the
 folder the engine started from, read once) and copied into the live model like any version, so both sessions decode
 over plain weights; the adapter's recorded base must be this base (`lora.check_base`).
+
+Several versions at once (``rollout.versions_per_instance`` = M > 1): the engine keeps up to M versions resident,
+each merged into its own copy of the model (`resident`, least recently used first out, never a version with rows
+running in the rollout server's batch); loading a resident version costs nothing. Memory: M copies of the
+weights plus the base's tensors kept for merging, (M + 1) x the model's bytes. The rollout server decodes each
+version's rows in that version's own session (`open_session(version)`), one version after the other at every chunk
+(time-sliced, `dora_tasks.server_sessions.TimeSlicedSession`); `generate(..., versions=)` likewise runs one
+`generate` per version.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +46,7 @@ from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Generation
 from dora_tasks.engines import lora
 from dora_tasks.engines.decoding import left_pad
+from dora_tasks.engines.resident import ResidentVersions
 from dora_tasks.model import EOS_ID, load_causal_lm
 
 GREEDY_CHUNK = 16  # tokens per decode call of greedy `generate` on the fast session: ended rows leave between calls
@@ -96,8 +107,18 @@ def special_ids(config) -> tuple[tuple[int, ...], int]:
     return eos_ids, int(pad)
 
 
+@dataclass
+class _Held:
+    """A resident version: its copy of the model, and the weights its adapter changed (None: all are its own)."""
+
+    model: transformers.PreTrainedModel
+    adapted: set[str] | None
+
+
 class HFRolloutEngine(RolloutEngine):
-    """A transformers causal LM serving one version; see the module docstring for the log-prob convention."""
+    """A transformers causal LM serving one version (or M, `resident`); see the module docstring."""
+
+    opens_version_sessions = True  # `open_session(version)` opens a session on any resident version
 
     def __init__(self, model_path: str, rollout_cfg: RolloutConfig, version: int = 0, *,
                  do_sample: bool = True, max_batch: int = 256, threads: int | None = 1) -> None:
@@ -110,6 +131,8 @@ class HFRolloutEngine(RolloutEngine):
         self._init(load_causal_lm(base_folder), rollout_cfg, version, do_sample, max_batch, base_folder)
         if adapter:
             self.load_version(version, adapter)
+        else:
+            self._hold_current()
 
     @classmethod
     def from_model(cls, model: transformers.PreTrainedModel, rollout_cfg: RolloutConfig, version: int = 0, *,
@@ -118,6 +141,7 @@ class HFRolloutEngine(RolloutEngine):
         no base folder, so it cannot load LoRA adapters."""
         engine = cls.__new__(cls)
         engine._init(model, rollout_cfg, version, do_sample, max_batch, None)
+        engine._hold_current()
         return engine
 
     def _init(self, model, rollout_cfg: RolloutConfig, version: int, do_sample: bool, max_batch: int,
@@ -131,6 +155,13 @@ class HFRolloutEngine(RolloutEngine):
         self.max_batch = max_batch
         self.eos_ids, self.pad_id = special_ids(model.config)
         self.generation_config = self._generation_config(rollout_cfg, do_sample)
+        versions = getattr(rollout_cfg, "versions_per_instance", 1)
+        self.resident: ResidentVersions[_Held] | None = ResidentVersions(versions) if versions > 1 else None
+
+    def _hold_current(self) -> None:
+        """Record the loaded version as resident (with several versions held)."""
+        if self.resident is not None:
+            self.resident.put(self.version, _Held(self.model, self._adapted))
 
     def _generation_config(self, cfg: RolloutConfig, do_sample: bool) -> transformers.GenerationConfig:
         sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0} if do_sample else {}
@@ -138,28 +169,76 @@ class HFRolloutEngine(RolloutEngine):
             do_sample=do_sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=list(self.eos_ids),
             pad_token_id=self.pad_id, return_dict_in_generate=True, output_scores=True, **sampling)
 
-    def open_session(self):
-        """A session on the loaded version: continuous batching with the KV cache kept across chunks; the
-        `FastDecodeSession` where `rollout.fast_decode` is on and the model's layout is one it knows, else the
-        `DecodeSession` on transformers' forward."""
+    def open_session(self, version: int | None = None):
+        """A session on the loaded version (or on the resident `version`): continuous batching with the KV cache kept
+        across chunks; the `FastDecodeSession` where `rollout.fast_decode` is on and the model's layout is one it
+        knows, else the `DecodeSession` on transformers' forward."""
         from dora_tasks.engines import fast_session
         from dora_tasks.engines.hf_session import DecodeSession
 
-        kind = fast_session.FastDecodeSession if self._fast_session_available() else DecodeSession
-        return kind(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature, self.cfg.top_p,
-                    do_sample=self.generation_config.do_sample)
+        with self._serving(self.version if version is None else version):
+            kind = fast_session.FastDecodeSession if self._fast_session_available() else DecodeSession
+            return kind(self.model, self.eos_ids, self.pad_id, self.version, self.cfg.temperature, self.cfg.top_p,
+                        do_sample=self.generation_config.do_sample)
 
     def load_version(self, version: int, weights_path: str) -> None:
+        """Make `version` the loaded one. With several versions held, a resident one costs nothing, and a new one is
+        loaded into the copy of the least recently used version not running (or a new copy while fewer than M)."""
         from storage.objectstore import local_folder
 
-        folder = local_folder(weights_path)  # object store: via the worker's cache
-        with torch.no_grad():
-            if lora.is_adapter_folder(folder):
-                self._load_adapter(folder)
-            else:
-                load_weights_in_place(self.model, folder)
-                self._adapted = None
+        if self.resident is not None and version in self.resident:
+            held = self.resident.get(version)
+            self.model, self._adapted, self.version = held.model, held.adapted, version
+            return
+        loaded = self.model, self._adapted
+        try:
+            if self.resident is not None:
+                self._make_room()
+            folder = local_folder(weights_path)  # object store: via the worker's cache
+            with torch.no_grad():
+                if lora.is_adapter_folder(folder):
+                    self._load_adapter(folder)
+                else:
+                    load_weights_in_place(self.model, folder)
+                    self._adapted = None
+        except BaseException:
+            if self.resident is not None:
+                self._forget_failed_load(loaded)
+            raise
         self.version = version
+        self._hold_current()
+
+    def _make_room(self) -> None:
+        """Point `model` at the copy the next version loads into: the evicted version's, the live model while no
+        version holds it, else a new copy (the base tensors of the copied version's unadapted weights go with it)."""
+        victim = self.resident.victim()
+        if victim is not None:
+            held = self.resident.pop(victim)
+            self.model, self._adapted = held.model, held.adapted
+        elif any(held.model is self.model for held in self.resident.values()):
+            self.model = copy.deepcopy(self.model)
+
+    def _forget_failed_load(self, loaded: tuple) -> None:
+        """After a failed load the copy it went into holds no version: the loaded version is served again, unless
+        that copy was its own (it was the least recently used: then no version is loaded until the next load)."""
+        if self.model is loaded[0] and self.version not in self.resident:
+            self.version = -1
+        else:
+            self.model, self._adapted = loaded
+
+    @contextlib.contextmanager
+    def _serving(self, version: int):
+        """The resident `version` as the loaded one for the block (the loaded one is restored after)."""
+        saved = self.model, self._adapted, self.version
+        if version != self.version:
+            if self.resident is None:
+                raise ValueError(f"version {version} is not loaded (this engine holds version {self.version} only)")
+            held = self.resident.get(version)
+            self.model, self._adapted, self.version = held.model, held.adapted, version
+        try:
+            yield
+        finally:
+            self.model, self._adapted, self.version = saved
 
     def _load_adapter(self, folder: str) -> None:
         """The base with the adapter of `folder` merged: only the weights it or the previous adapter changed are
@@ -180,12 +259,15 @@ class HFRolloutEngine(RolloutEngine):
     def max_new_tokens(self) -> int:
         return self.cfg.max_new_tokens
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
-                 max_new_tokens: int | None = None) -> list[list[Generation]]:
-        """`n` samples per prompt; `max_new_tokens` overrides the config's budget (chunks of a partial rollout).
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *, max_new_tokens: int | None = None,
+                 versions: Sequence[int] | None = None) -> list[list[Generation]]:
+        """`n` samples per prompt; `max_new_tokens` overrides the config's budget (chunks of a partial rollout);
+        `versions`: each prompt's resident version (default: all on the loaded one), one `generate` per version.
 
         Sampling is seeded by `seed` (and the batch offset) under a forked RNG, so the global RNG is untouched.
         """
+        if versions is not None:
+            return self._generate_per_version(prompts, n, seed, max_new_tokens, versions)
         rows = [p for p in prompts for _ in range(n)]
         budget = max_new_tokens if max_new_tokens is not None else self.cfg.max_new_tokens
         if not self.generation_config.do_sample and self._fast_session_available():
@@ -198,6 +280,16 @@ class HFRolloutEngine(RolloutEngine):
             flat = [g for start in range(0, len(rows), self.max_batch)
                     for g in self._generate_batch(rows[start:start + self.max_batch], seed + start, generation_config)]
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_per_version(self, prompts, n, seed, max_new_tokens, versions) -> list[list[Generation]]:
+        out: list[list[Generation]] = [[] for _ in prompts]
+        for version in dict.fromkeys(versions):
+            mine = [i for i, v in enumerate(versions) if v == version]
+            with self._serving(version):
+                for i, gens in zip(mine, self.generate([prompts[i] for i in mine], n, seed,
+                                                       max_new_tokens=max_new_tokens)):
+                    out[i] = gens
+        return out
 
     def _fast_session_available(self) -> bool:
         from dora_tasks.engines import fast_session

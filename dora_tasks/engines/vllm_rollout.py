@@ -37,6 +37,12 @@ Simplified, and why:
   reload: the base stays as loaded, i.e. version 0). Each load gets a new adapter id, so a version published again
   (a resumed run) is read again, and the previous adapter is dropped from the engine. The adapter's recorded base
   must be the engine's model folder (`lora.check_base`).
+- Several versions at once (``rollout.versions_per_instance`` = M > 1, LoRA only): the engine starts with
+  `max_loras=M` and keeps up to M versions resident (`resident`: version -> its `LoRARequest`, None for the base;
+  least recently used first out, never a version with rows running in the rollout server's batch).
+  Loading a resident version costs nothing. `generate(..., versions=)` is one `LLM.generate` call with one
+  `LoRARequest` per prompt, so rows of different versions share each forward (vLLM applies each row's adapter). The
+  base stays loaded under every adapter, so a full-weights version is accepted only when it is that base.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from dora_tasks.core.config import RolloutConfig
 from dora_tasks.core.contracts import RolloutEngine
 from dora_tasks.core.records import Generation
 from dora_tasks.engines import lora
+from dora_tasks.engines.resident import ResidentVersions
 from dora_tasks.engines.rollout_factory import EngineConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -190,6 +197,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self.lora_rank = vllm_lora_rank(max_lora_rank) if max_lora_rank > 0 else 0
         self.adapter = None  # the LoRARequest of the loaded version, None for full weights
         self._adapter_ids = 0
+        self.max_versions = getattr(rollout_cfg, "versions_per_instance", 1)
+        if self.max_versions > 1 and not self.lora_rank:
+            raise EngineConfigError(f"rollout.versions_per_instance={self.max_versions} serves one LoRA adapter per "
+                                    "version: set train.lora.rank > 0 (engine option max_lora_rank)")
+        self.resident: ResidentVersions | None = None
+        if self.max_versions > 1:
+            self.resident = ResidentVersions(self.max_versions)
+            self.resident.put(version, None)  # the model folder started from: the base, no adapter
         with _VLLM_CALLS:
             self.llm = self._start_llm(model_path, rollout_cfg.kv_cache_bytes, seed)
 
@@ -210,14 +225,17 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker swaps in a no-op, for thread binding we lack
 
     def _lora_options(self) -> dict:
-        return {"enable_lora": True, "max_lora_rank": self.lora_rank, "max_loras": 1} if self.lora_rank else {}
+        if not self.lora_rank:
+            return {}
+        return {"enable_lora": True, "max_lora_rank": self.lora_rank, "max_loras": self.max_versions}
 
     @property
     def max_new_tokens(self) -> int:
         return self.rollout_cfg.max_new_tokens
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *,
-                 max_new_tokens: int | None = None) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, seed: int, *, max_new_tokens: int | None = None,
+                 versions: Sequence[int] | None = None) -> list[list[Generation]]:
+        """`versions`: each prompt's resident version (default: all on the loaded one), served in one call."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         token_prompts = [[int(t) for t in p] for p in prompts]
@@ -230,9 +248,19 @@ class VLLMRolloutEngine(RolloutEngine):
 
         requests = [TokensPrompt(prompt_token_ids=p) for p in token_prompts]
         params = [self._sampling_params(n, s, max_tokens) for s in per_prompt_seeds(seed, len(token_prompts))]
+        adapters = self.adapter if versions is None else [self._resident_adapter(v) for v in versions]
         with _VLLM_CALLS:
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
-        return [[self._to_generation(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
+        tagged = [self.version] * len(outputs) if versions is None else versions
+        return [[self._to_generation(c, v) for c in sorted(out.outputs, key=lambda c: c.index)]
+                for out, v in zip(outputs, tagged)]
+
+    def _resident_adapter(self, version: int):
+        if self.resident is None:
+            if version != self.version:
+                raise ValueError(f"version {version} is not loaded (this engine holds version {self.version} only)")
+            return self.adapter
+        return self.resident.get(version)
 
     def _check_prompt(self, index: int, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
@@ -250,7 +278,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_tokens,
                               logprobs=0, seed=seed, stop_token_ids=list(self.shape.eos_ids))
 
-    def _to_generation(self, completion) -> Generation:
+    def _to_generation(self, completion, version: int) -> Generation:
         """One vLLM `CompletionOutput` as a `Generation` (logprobs=0 returns just the sampled token's entry)."""
         token_ids = np.asarray(completion.token_ids, dtype=np.int32)
         logprobs = np.array([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
@@ -258,15 +286,23 @@ class VLLMRolloutEngine(RolloutEngine):
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
         return Generation(token_ids=token_ids, logprobs=logprobs,
-                          versions=np.full(len(token_ids), self.version, dtype=np.int32),
+                          versions=np.full(len(token_ids), version, dtype=np.int32),
                           finished=completion.finish_reason == "stop")
 
     def load_version(self, version: int, weights_path: str) -> None:
+        """Make `version` the loaded one; with several versions held, a resident one costs nothing and a new one
+        takes the place of the least recently used version not running."""
         from storage.objectstore import local_folder
 
+        if self.resident is not None and version in self.resident:
+            self.adapter, self.version = self.resident.get(version), version
+            return
         weights_path = local_folder(weights_path)  # vLLM reads a local folder: an object store's via the worker cache
         if lora.is_adapter_folder(weights_path):
             self._load_adapter(version, weights_path)
+            return
+        if self.resident is not None:
+            self._hold_base(version, weights_path)
             return
         if not glob.glob(os.path.join(weights_path, "*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors file in {weights_path!r}: cannot load version {version}")
@@ -279,6 +315,24 @@ class VLLMRolloutEngine(RolloutEngine):
             self._drop_adapter()
         self.version = version
 
+    def _hold_base(self, version: int, folder: str) -> None:
+        """A full-weights version among several resident ones: only the base every adapter runs over (no reload)."""
+        if lora.weights_sha256(folder) != lora.weights_sha256(self.model_path):
+            raise EngineConfigError(f"version {version} at {folder!r} holds full weights other than the base: with "
+                                    "rollout.versions_per_instance > 1 every version is an adapter over one base")
+        self._evict()
+        self.resident.put(version, None)
+        self.adapter, self.version = None, version
+
+    def _evict(self) -> None:
+        """Free a resident place for a new version: the least recently used version not running leaves."""
+        victim = self.resident.victim()
+        if victim is not None:
+            request = self.resident.pop(victim)
+            if request is not None:
+                with _VLLM_CALLS:
+                    self.llm.llm_engine.remove_lora(request.lora_int_id)
+
     def _load_adapter(self, version: int, folder: str) -> None:
         from vllm.lora.request import LoRARequest
 
@@ -288,6 +342,14 @@ class VLLMRolloutEngine(RolloutEngine):
         lora.check_base(folder, lora.base_identity(self.model_path))
         self._adapter_ids += 1
         request = LoRARequest(f"v{version}-{self._adapter_ids}", self._adapter_ids, folder)
+        if self.resident is not None:
+            self._evict()
+            with _VLLM_CALLS:
+                if not self.llm.llm_engine.add_lora(request):
+                    raise RuntimeError(f"vLLM did not load the adapter of version {version} from {folder!r}")
+            self.resident.put(version, request)
+            self.adapter, self.version = request, version
+            return
         with _VLLM_CALLS:
             if not self.llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not load the adapter of version {version} from {folder!r}")

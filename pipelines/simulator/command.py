@@ -19,6 +19,7 @@ FLAGS = {  # flag -> SimConfig field
     "rbs": "rollout_batch_size", "prompts_per_step": "prompts_per_step", "group_size": "group_size",
     "trainer_gpus": "trainer_gpus", "steps": "steps", "warmup_steps": "warmup_steps", "switching": "switching",
     "max_rows": "max_rows", "decision_interval": "decision_interval_s",
+    "versions_per_instance": "versions_per_instance",
 }
 
 
@@ -40,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--switching", choices=("drain", "queue", "migrate"), help="how instances leave old versions")
     p.add_argument("--max-rows", type=int, help="rows one engine decodes at once (default 256)")
     p.add_argument("--decision-interval", type=float, help="seconds between orchestrator turns (default 1)")
+    p.add_argument("--versions-per-instance", type=int, metavar="M",
+                   help="versions one instance serves at once, one LoRA adapter each (default 1; needs "
+                   "emulation.lora_rank > 0; implies --switching drain)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -65,9 +69,12 @@ def settings(args, load_config):
     if path:
         values = {"max_staleness": cfg.dora.max_staleness, "train_batch_size": cfg.dora.train_batch_size,
                   "prompts_per_step": cfg.dora.train_batch_size, "rollout_batch_size": cfg.dora.rollout_batch_size,
-                  "group_size": cfg.rollout.group_size, "trainer_gpus": cfg.emulation.trainer_gpus}
+                  "group_size": cfg.rollout.group_size, "trainer_gpus": cfg.emulation.trainer_gpus,
+                  "versions_per_instance": cfg.rollout.versions_per_instance}
     flags = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
     values.update(flags)
+    if values.get("versions_per_instance", 1) > 1 and args.switching is None:
+        values["switching"] = "drain"  # the only switching that several versions per instance replaces
     if isinstance(values.get("trainer_gpus"), str):  # a named split: the simulator chooses the count
         values["split"], values["trainer_gpus"] = values["trainer_gpus"], 0
     if "train_batch_size" not in values and "prompts_per_step" in values:

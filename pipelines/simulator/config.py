@@ -26,6 +26,7 @@ class SimConfig:
     warmup_steps: int = 2  # left out of the steady-state figures
     decision_interval_s: float = 1.0  # the orchestrator and gate decide at most this often (0: at every event)
     check: bool = False  # validate the gate and the orchestrator after every decision
+    versions_per_instance: int = 1  # M versions one instance serves at once (LoRA adapters; dora with drain only)
 
     def validate(self) -> "SimConfig":
         def require(ok: bool, key: str, why: str) -> None:
@@ -48,4 +49,10 @@ class SimConfig:
         require(self.switching in ("drain", "queue", "migrate"), "switching",
                 f"allowed: drain, queue, migrate; got {self.switching!r}")
         require(self.decision_interval_s >= 0, "decision_interval_s", "must be >= 0")
+        require(self.versions_per_instance >= 1, "versions_per_instance",
+                f"must be >= 1, got {self.versions_per_instance}")
+        if self.versions_per_instance > 1:
+            require(self.mode == "dora" and self.switching == "drain", "versions_per_instance",
+                    f"{self.versions_per_instance} replaces how an instance leaves its version: mode dora with "
+                    f"switching drain only, got mode {self.mode!r}, switching {self.switching!r}")
         return self

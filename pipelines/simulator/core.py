@@ -6,6 +6,9 @@ ends; its reward and advantage are taken to cost nothing, as they run on CPU wor
 Turns happen when something changes, at most once per `decision_interval_s` (the driver's turn); between turns the
 engines advance analytically (`pipelines.simulator.engine`).
 
+With `versions_per_instance` = M > 1 (LoRA adapters) the orchestrator's `Concurrent(M)` strategy lets an instance
+take the newest version beside older ones; its engine decodes every version's rows in one batch.
+
 Weight loads: an instance takes a version from a peer instance that holds it (`weights_from_peer_s`, waiting for the
 first holder to finish loading), else from the weight store (`weights_from_store_s`); in colocated modes the
 trainer's accelerators are the rollout accelerators, so they hold each version as it is published.
@@ -51,13 +54,17 @@ class Simulation:
         self.split = self.mode.split(cfg, cost, step_stats(lengths, cfg.prompts_per_step, cfg.group_size),
                                      short_run(cfg, cost, lengths))
         instances = self.split.rollout_gpus // cost.tp
+        if cfg.versions_per_instance > 1 and cost.lora_rank <= 0:
+            raise SimulatorError(f"versions_per_instance: {cfg.versions_per_instance} needs one LoRA adapter per "
+                                 "version: set emulation.lora_rank > 0")
         if instances < 1:
             raise SimulatorError(f"no rollout instance: {self.split.rollout_gpus} accelerators, tp {cost.tp}")
         self.updates = cfg.steps * cfg.prompts_per_step // self.tbs
         K = self.mode.max_staleness
         self.gate = VersionGate(K, self.tbs)
         self.orchestrator = Orchestrator(rbs, group_budget=(self.updates + K + 2) * self.tbs,
-                                         switching=switching_named(cfg.switching), group_size=cfg.group_size)
+                                         switching=switching_named(cfg.switching, cfg.versions_per_instance),
+                                         group_size=cfg.group_size)
         self.engines = {f"r{i:05d}": Engine(f"r{i:05d}", cost, cfg.max_rows) for i in range(instances)}
         for name in self.engines:  # its share of RBS, in groups (its engine queues what it cannot run yet)
             self.orchestrator.add_instance(name, math.ceil(rbs / instances), cost.kv_capacity_tokens(), cfg.max_rows)
@@ -139,26 +146,29 @@ class Simulation:
         if isinstance(action, Start):
             if action.new:
                 self.gate.on_dispatch(action.group_id, action.version)
-            engine.submit(self._group(action.group_id))
+            engine.submit(self._group(action.group_id, action.version))
         else:
             engine.load(action.version, self.load_seconds(action.version))
 
     def sync(self, engine: Engine) -> None:
         self.ended += engine.sync(self.now)
 
-    def _group(self, group_id: int) -> list[Seq]:
+    def _group(self, group_id: int, version: int) -> list[Seq]:
         prompt = self.lengths.prompt_tokens(group_id)
-        seqs = [Seq(group_id, s, prompt, self.lengths.response_tokens(group_id, s))
+        own = version if self.cfg.versions_per_instance > 1 else None  # else decoded on the engine's version
+        seqs = [Seq(group_id, s, prompt, self.lengths.response_tokens(group_id, s), version=own)
                 for s in range(self.cfg.group_size)]
         self.groups[group_id] = seqs
         self.left[group_id] = len(seqs)
         return seqs
 
     def load_seconds(self, version: int) -> float:
-        """Waiting for a peer that holds `version` and taking it from there, or reading it from the store."""
+        """Waiting for a peer that holds `version` and taking it from there, or reading it from the store; with LoRA
+        a version after the base moves as its adapter."""
+        adapter = version > 0
         if version in self.ready:
-            return max(0.0, self.ready[version] - self.now) + self.cost.weights_from_peer_s()
-        seconds = self.cost.weights_from_store_s()
+            return max(0.0, self.ready[version] - self.now) + self.cost.weights_from_peer_s(adapter)
+        seconds = self.cost.weights_from_store_s(adapter)
         self.ready[version] = self.now + seconds
         return seconds
 

@@ -12,7 +12,9 @@ Simplified from vLLM, and why:
   standing for the chunks vLLM would spread over several;
 * when the next step would overflow the cache, the most recently admitted sequence is preempted (vLLM's recompute
   preemption): its cache is dropped and it waits at the head of the queue, keeping its tokens;
-* the instance holds one version; a weight load or a pause (colocated training) stops decoding meanwhile.
+* the instance holds one version, or with several versions per instance (LoRA) one adapter per version, each row
+  decoded under its own group's version in the one batch, a step paying for the batch's distinct adapters
+  (`CostModel.adapter_step_s`); a weight or adapter load or a pause (colocated training) stops decoding meanwhile.
 
 Times are lazy: the engine stays at its last step boundary `t` until asked to move (`advance_to`, `sync`).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 INF = math.inf
@@ -38,6 +40,7 @@ class Seq:
     joined: int = 0
     versions: list = field(default_factory=list)  # [version, tokens generated on it] segments
     migrated: bool = False  # its cache arrives from another instance instead of being prefilled
+    version: int | None = None  # its group's version with several versions per instance; None: the engine's
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Engine:
         self.finish: list[tuple[int, int]] = []  # (step at which it ends, seq key)
         self.waiting: deque[Seq] = deque()
         self.version: int | None = None
+        self.row_versions: Counter = Counter()  # version -> running rows decoded under it
         self.usage = Usage()
         self._next_key = 0
         self.next_change = INF
@@ -73,6 +77,11 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
+
+    @property
+    def adapters(self) -> int:
+        """Distinct versions (LoRA adapters) of the running rows."""
+        return len(self.row_versions)
 
     def tokens_of(self, seq: Seq) -> int:
         return seq.tokens + self.step - seq.joined
@@ -95,7 +104,8 @@ class Engine:
         elif self.waiting and self._admissible(self.waiting[0]):
             self.next_change = self.t
         elif self.running:
-            self.next_change = self.t + self.cost.decode_steps_s(len(self.running), self.context, self._steps_to_change())
+            self.next_change = self.t + self.cost.decode_steps_s(len(self.running), self.context,
+                                                                 self._steps_to_change(), self.adapters)
         else:
             self.next_change = INF
 
@@ -137,7 +147,7 @@ class Engine:
         rows, lo, hi = len(self.running), 0, self._steps_to_change()
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost.decode_steps_s(rows, self.context, mid) <= seconds:
+            if self.cost.decode_steps_s(rows, self.context, mid, self.adapters) <= seconds:
                 lo = mid
             else:
                 hi = mid - 1
@@ -163,7 +173,7 @@ class Engine:
             self._preempt()
 
     def _decode(self, steps: int) -> None:
-        seconds = self.cost.decode_steps_s(len(self.running), self.context, steps)
+        seconds = self.cost.decode_steps_s(len(self.running), self.context, steps, self.adapters)
         self.t += seconds
         self.usage.decode += seconds
         self.context += len(self.running) * steps
@@ -192,11 +202,17 @@ class Engine:
         self.usage.transfer += transfer
 
     def _on_version(self, seq: Seq) -> None:
-        if not seq.versions or seq.versions[-1][0] != self.version:
-            seq.versions.append([self.version, 0])
+        version = self.version if seq.version is None else seq.version
+        if not seq.versions or seq.versions[-1][0] != version:
+            seq.versions.append([version, 0])
+        self.row_versions[version] += 1
 
     def _drop(self, key: int) -> Seq:
         seq = self.running.pop(key)
+        version = seq.versions[-1][0]
+        self.row_versions[version] -= 1
+        if not self.row_versions[version]:
+            del self.row_versions[version]
         done = self.tokens_of(seq)
         seq.versions[-1][1] += done - seq.tokens
         seq.tokens = done
