@@ -82,7 +82,8 @@ def test_the_trainer_killed_idle_in_an_update_and_at_a_checkpoint_the_run_goes_o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reward_fn", ["faulty_rewards.always_raises", "faulty_rewards.returns_text"])
+@pytest.mark.parametrize("reward_fn", [  # a non-number is recorded like an exception (test_reward_row)
+    "faulty_rewards.always_raises", pytest.param("faulty_rewards.returns_text", marks=pytest.mark.long)])
 def test_a_reward_that_always_fails_stops_the_run_with_its_error(small_config, reward_fn):
     cfg = small_config(f"task.reward_fn={reward_fn}", "dora.num_updates=6", "task.reward_failure_stop_updates=2")
     with pytest.raises(RewardFailureError) as err:

@@ -426,6 +426,7 @@ def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_con
 
 
 @pytest.mark.slow
+@pytest.mark.long  # default suite: test_a_checkpoint_holds_the_adapter_... and test_resume's kill and resume
 def test_a_lora_run_killed_and_resumed_continues_from_its_adapter_checkpoint(tmp_path):
     """The driver killed by its PID after a checkpoint; the resumed trainer starts from the base plus the adapter of
     the checkpoint's version and its optimizer state; every prompt is trained once."""

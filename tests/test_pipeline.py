@@ -25,7 +25,7 @@ CONSTRAINT_RUN = ["dora.train_batch_size=8", "dora.rollout_batch_size=16", "dora
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("K", [0, 1, 3])
+@pytest.mark.parametrize("K", [0, pytest.param(1, marks=pytest.mark.long), 3])  # K=1: the LoRA and migration runs
 def test_streaming_run_keeps_all_three_constraints(small_config, K):
     cfg = small_config(*CONSTRAINT_RUN, f"dora.max_staleness={K}")
     summary = run_pipeline(cfg)
