@@ -11,18 +11,17 @@ from hypothesis import strategies as st
 from pipelines.gate import VersionGate
 from pipelines.orchestrator import Load, Migrate, Orchestrator, Start
 from pipelines.switching import Concurrent, Drain, switching_named
+from tests.test_switching import Ledger
 
 
-class AdapterLedger:
+class AdapterLedger(Ledger):
     """What the engines would hold, rebuilt from the actions alone: each instance's adapters (the version it was
-    last told to load, and every version of the requests it runs) and each group's one placement."""
+    last told to load, and every version of the requests it runs) and each group's one placement; `loaded` is the
+    version an instance's new groups start on."""
 
     def __init__(self, group_size: int, slots: int, versions_per_instance: int):
-        self.g, self.rows, self.m = group_size, slots * group_size, versions_per_instance
-        self.where: dict[int, str] = {}  # group -> instance
-        self.version: dict[int, int] = {}  # group -> dispatch version, fixed at its first start
-        self.left: dict[int, set[int]] = {}  # group -> unfinished requests
-        self.loaded: dict[str, int] = {}  # instance -> version its new groups start on
+        super().__init__(group_size, versions_per_instance)
+        self.rows = slots * group_size
         self.most_versions = 0  # the most versions of running requests one instance held at once
 
     def held(self, instance: str) -> set[int]:
@@ -45,16 +44,9 @@ class AdapterLedger:
         for instance in self.loaded:
             self.most_versions = max(self.most_versions, len({self.version[g] for g, w in self.where.items()
                                                               if w == instance}))
-            assert len(self.held(instance)) <= self.m, f"{instance} holds versions {sorted(self.held(instance))}"
+            assert len(self.held(instance)) <= self.per_instance, f"{instance} holds versions {sorted(self.held(instance))}"
             rows = sum(len(self.left[g]) for g, w in self.where.items() if w == instance)
             assert rows <= self.rows, f"{instance} runs {rows} requests in {self.rows} rows"
-
-    def lose(self, instance: str) -> list[int]:
-        lost = sorted(g for g, w in self.where.items() if w == instance)
-        for g in lost:
-            del self.where[g], self.left[g]
-        self.loaded.pop(instance, None)
-        return lost
 
 
 def drive(switching, seed: int, K: int = 3, tbs: int = 2, rbs: int = 6, updates: int = 5, instances: int = 3,
@@ -105,12 +97,12 @@ def _random_event(rng, orch, gate, ledger, churn, slots, names, done) -> None:
         if left and rng.random() < 0.75:
             sample = rng.choice(left)
             orch.on_request_done(g, sample)
-            ledger.left[g].discard(sample)
+            ledger.request_done(g, sample)
         else:
             assert g not in done, f"group {g} completed twice"
             done.add(g)
             orch.on_group_done(g)
-            del ledger.where[g], ledger.left[g]
+            ledger.group_done(g)
             gate.on_complete(g)
 
 
