@@ -47,6 +47,7 @@ for _k, _v in {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 import numpy as np
 
 from benchmarks.run_profile import CpuSampler, length_stats, profile, profile_text, read_store, worker_roles
+from benchmarks.tables import markdown_table
 
 # The config's cluster shape gives rollout and training one core each (1 rollout instance, 1 trainer: disjoint
 # hardware, the DORA paper's setting); COLOCATED runs two rollout instances, so synchronous rollout has both cores
@@ -320,10 +321,7 @@ def fmt(value, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt(row.get(k), f) for _, k, f in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table([h for h, _, _ in COLUMNS], [[fmt(row.get(k), f) for _, k, f in COLUMNS] for row in rows])
 
 
 def trl_runs(args, cfg, model_path: str, target: float) -> list[dict]:

@@ -36,6 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_modes import QUICK, Clusters, run_mode, say, shape_text
+from benchmarks.tables import markdown_table
 
 LORA = ["train.lora.rank=8", "train.lora.alpha=16"]
 BASE = ["tracking.live_view=false", "tracking.plots=false", "storage.checkpoint_interval=0", "task.eval_interval=0"]
@@ -161,9 +162,7 @@ def table(rows: list[dict]) -> str:
     def fmt(value, spec):
         return "n/a" if value is None else spec.format(value)
 
-    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r.get(k), f) for _, k, f in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table([h for h, _, _ in COLUMNS], [[fmt(r.get(k), f) for _, k, f in COLUMNS] for r in rows])
 
 
 def parse_args(argv=None) -> argparse.Namespace:

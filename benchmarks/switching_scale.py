@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.emulated_scale import CliCluster, run_and_measure
 from benchmarks.sim_vs_emulation import make_config, run_sim
+from benchmarks.tables import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWITCHINGS = ("drain", "queue", "migrate")
@@ -144,9 +145,8 @@ def cell(row: dict, key: str, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(row, key, fmt) for key, _, fmt in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table([title for _, title, _ in COLUMNS],
+                          [[cell(row, key, fmt) for key, _, fmt in COLUMNS] for row in rows])
 
 
 def parse(argv=None):
