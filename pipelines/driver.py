@@ -47,7 +47,7 @@ from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.migration import RequestMigration
 from pipelines.orchestrator import Orchestrator, Start
 from pipelines.reward_checks import REWARD_WARNING_EVERY_S, RateLimit, RewardChecks
-from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery
+from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery, loss_reason
 from pipelines.weight_sharing import SharedWeights
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
@@ -159,7 +159,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         try:
             result: UpdateResult = future.result()
         except TRAINER_LOSS as exc:
-            self.recover_trainer(f"update {task.update} failed: {type(exc).__name__}")
+            self.recover_trainer(f"update {task.update} failed: {loss_reason(exc)}")
             return
         except Exception:  # noqa: BLE001 - named in the RunError below
             self._raise_if_failed(future)

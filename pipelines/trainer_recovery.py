@@ -25,6 +25,27 @@ MAX_TRAINER_RESTARTS = 3  # restarts in a row without a publish between them bef
 RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's first start compiles for a minute)
 
 
+def loss_reason(exc: BaseException) -> str:
+    """The exception's type, with the scheduler's reason for a cancellation (e.g. "already forgotten": the batch the
+    update needed was lost with the worker that held it)."""
+    reason = getattr(exc, "reason", None)
+    return f"{type(exc).__name__} ({reason})" if reason else type(exc).__name__
+
+
+def removals(client, address: str | None) -> str:
+    """The scheduler's own record of why it removed the trainer's worker (its stimulus, e.g. a missed heartbeat or
+    a closed stream), or "" where it has none: tells a trainer that died from one the scheduler gave up on."""
+    if not address:
+        return ""
+    try:
+        events = client.get_events(address)
+    except (OSError, TimeoutError, KeyError):
+        return ""
+    removed = [e for _, e in events if isinstance(e, dict) and e.get("action") == "remove-worker"]
+    return "; ".join(f"scheduler removed it ({e.get('stimulus_id', '?')}, expected={e.get('expected')})"
+                     for e in removed[-2:])
+
+
 class TrainerError(RuntimeError):
     """The trainer cannot be brought back; the run folder can be resumed with `dora resume`."""
 
@@ -37,7 +58,9 @@ class TrainerRecovery:
         gets a new engine on the newest version the driver took in, with the optimizer state of the last checkpoint
         (a fresh one without), and the batches handed to the lost trainer go to it again, in order. A version the
         lost trainer published but the driver never took in is deleted: it is published again, once."""
-        log.warning("trainer lost (%s); restoring it at version %d", why, self.gate.newest)
+        removed = removals(self.client, self.trainer)
+        log.warning("trainer lost (%s%s); restoring it at version %d", why, f"; {removed}" if removed else "",
+                    self.gate.newest)
         queued = list(self.updates)
         self.updates.clear()
         lost = [f for q in queued for f in (q.batch, q.checked, q.updated)]

@@ -92,3 +92,27 @@ def test_ctrl_c_stops_a_run_in_one_line_and_the_folder_resumes(tmp_path):
     assert audit_store(str(run_dir / "trajectories.zarr"), 1).ok
     assert TrajectoryStore.open(str(run_dir / "trajectories.zarr")).read_table("updates")["update"].tolist() \
         == list(range(total))
+
+
+def test_a_worker_logs_a_fetch_its_client_abandoned_in_one_line_and_other_failures_whole():
+    import io
+    import logging
+
+    from dora_tasks.worker_preload import CLIENT_LEFT_MID_FETCH, ClientLeftMidFetch
+
+    stream = io.StringIO()
+    logger = logging.getLogger("test.worker_preload")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.addFilter(ClientLeftMidFetch())
+    try:
+        for who in (None, "tcp://127.0.0.1:2"):
+            try:
+                raise OSError("stream closed")
+            except OSError:
+                logger.exception(CLIENT_LEFT_MID_FETCH, "tcp://127.0.0.1:1", who)
+    finally:
+        logger.removeHandler(handler)
+    client_left, worker_failed = stream.getvalue().split("failed during get data")[1:]
+    assert "Traceback" not in client_left and "-> None" in client_left
+    assert "Traceback" in worker_failed and "OSError: stream closed" in worker_failed

@@ -173,3 +173,23 @@ def test_a_failed_evaluation_is_recorded_and_never_stops_training(small_config, 
     future = d.track(FailedFuture(), EvaluationTask(version=2, attempt=1))  # its last attempt
     d.on_done(future)
     assert d.counters["eval_failures"] == 1 and not d.evaluations() and 2 not in d.accuracy
+
+
+def test_a_trainer_loss_names_the_schedulers_reason_for_it():
+    from distributed.client import FutureCancelledError
+
+    from dora_tasks.plugins import TrainerLost
+    from pipelines.trainer_recovery import loss_reason, removals
+
+    assert loss_reason(FutureCancelledError(("update", 3), reason="already forgotten")) \
+        == "FutureCancelledError (already forgotten)"
+    assert loss_reason(TrainerLost("gone")) == "TrainerLost"
+
+    class Scheduler:
+        def get_events(self, topic):
+            assert topic == "tcp://trainer:1"
+            return ((1.0, {"action": "add-worker"}),
+                    (2.0, {"action": "remove-worker", "stimulus_id": "heartbeat-missing-1", "expected": False}))
+
+    assert removals(Scheduler(), "tcp://trainer:1") == "scheduler removed it (heartbeat-missing-1, expected=False)"
+    assert removals(Scheduler(), None) == ""
