@@ -52,48 +52,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dora_tasks.core.contracts import DecodeSession, RolloutEngine
-from dora_tasks.core.handover import Continuation, MigrationCost, Resumed, check_version
+from dora_tasks.core.handover import Continuation, Resumed, check_version
 from dora_tasks.core.records import Generation
 from dora_tasks.rollout_rows import PartialResponse, TurnEnd
+from dora_tasks.server_requests import HandOver, Request, fail, hand_back_finished, hand_over_row, place
 from dora_tasks.server_sessions import ReencodingSession, open_versions_session
 from dora_tasks.version_policy import DispatchVersion, VersionPolicy
 
 __all__ = ["BusyLog", "ReencodingSession", "RolloutServer"]
 
 CHUNK_SEED_STRIDE = 7919  # a prime: the seeds of a batch's successive chunks do not collide
-
-
-@dataclass
-class _Request:
-    version: int
-    weights_path: str
-    prompt_ids: list[int]
-    n: int
-    seed: int
-    request_id: Hashable = None
-    arrival: Continuation | None = None  # a response handed over by another instance (`resume`), n == 1
-    limit: int | None = None  # a model turn of an episode: its own token budget (None: the engine's)
-    stop: TurnEnd | None = None  # a model turn of an episode: where it ends before eos
-    rows: list[PartialResponse] = field(default_factory=list)  # its responses, once it joined a batch
-    done: threading.Event = field(default_factory=threading.Event)
-    result: list[Generation | Continuation] | None = None
-    error: BaseException | None = None
-
-
-@dataclass
-class _HandOver:
-    """An order to give away running responses at the next chunk boundary: `count` of them (fewest tokens first:
-    the cheapest to move, the most budget left), or every one of the requests named."""
-
-    count: int | None
-    requests: frozenset | None
-    done: threading.Event = field(default_factory=threading.Event)
-    result: list[Continuation] = field(default_factory=list)
-
-    def choose(self, running: list[tuple[_Request, PartialResponse]]) -> list[tuple[_Request, PartialResponse]]:
-        if self.requests is not None:
-            return [(r, s) for r, s in running if r.request_id in self.requests]
-        return sorted(running, key=lambda rs: len(rs[1].tokens))[:self.count]
 
 
 @dataclass
@@ -124,8 +92,8 @@ class RolloutServer:
         self._keep_kv_cache = keep_kv_cache
         self._row_streams = row_streams
         self._engine: RolloutEngine | None = None
-        self._waiting: list[_Request] = []
-        self._orders: list[_HandOver] = []
+        self._waiting: list[Request] = []
+        self._orders: list[HandOver] = []
         self._serving = False  # a batch is being generated (hand-over orders are answered at its chunk boundaries)
         self._holds: Counter[int] = Counter()  # versions open episodes hold: no other version loads meanwhile
         self._cond = threading.Condition()
@@ -143,7 +111,7 @@ class RolloutServer:
                  request_id: Hashable = None) -> list[Generation | Continuation]:
         """`n` responses to one prompt with `version`. A response handed over meanwhile (`hand_over`) is answered
         by its `Continuation` in place of its `Generation`; `request_id` names the request in it."""
-        request = _Request(version, weights_path, list(prompt_ids), n, seed, request_id)
+        request = Request(version, weights_path, list(prompt_ids), n, seed, request_id)
         return self._answer(request)
 
     def resume(self, continuation: Continuation, weights_path: str) -> Resumed:
@@ -155,7 +123,7 @@ class RolloutServer:
             raise ValueError("a handed-over response joins an instance of one version: hand-over (rollout.switching="
                              "migrate) needs rollout.versions_per_instance=1")
         self._check_resumable(continuation)
-        request = _Request(continuation.version, weights_path, continuation.prompt_ids.tolist(), 1, continuation.seed,
+        request = Request(continuation.version, weights_path, continuation.prompt_ids.tolist(), 1, continuation.seed,
                            continuation.request_id, arrival=continuation)
         (outcome,) = self._answer(request)
         return Resumed(outcome, request.rows[0].migration)
@@ -167,7 +135,7 @@ class RolloutServer:
         Their requests are answered with the same continuations. Nothing runs: []."""
         if (count is None) == (requests is None):
             raise ValueError("hand_over: give either a count or request ids")
-        order = _HandOver(count, None if requests is None else frozenset(requests))
+        order = HandOver(count, None if requests is None else frozenset(requests))
         with self._cond:
             if not self._serving:
                 return []
@@ -180,7 +148,7 @@ class RolloutServer:
         """One model turn of each of several episodes (`dora_tasks.episodes`), decoded together: one response to
         each history (prompt and response so far), at most its limit of tokens, ended early by `stop`. Call it
         inside `hold(version)`, so that no other version loads between an episode's turns."""
-        requests = [_Request(version, weights_path, list(h), 1, seed, limit=limit, stop=stop)
+        requests = [Request(version, weights_path, list(h), 1, seed, limit=limit, stop=stop)
                     for h, seed, limit in zip(histories, seeds, limits, strict=True)]
         return [outcome for answers in self._answer_all(requests) for outcome in answers]
 
@@ -201,10 +169,10 @@ class RolloutServer:
                 self._holds += Counter()  # drops the versions no block holds any more
                 self._cond.notify_all()
 
-    def _answer(self, request: _Request) -> list[Generation | Continuation]:
+    def _answer(self, request: Request) -> list[Generation | Continuation]:
         return self._answer_all([request])[0]
 
-    def _answer_all(self, requests: list[_Request]) -> list[list[Generation | Continuation]]:
+    def _answer_all(self, requests: list[Request]) -> list[list[Generation | Continuation]]:
         with self._cond:
             self._waiting += requests
             self._cond.notify_all()
@@ -267,18 +235,18 @@ class RolloutServer:
         for order in orders:
             order.done.set()
 
-    def _take_batch(self) -> list[_Request]:
+    def _take_batch(self) -> list[Request]:
         """The waiting requests that join a batch of the loaded version, or, if none of that version waits, of the
         oldest waiting request's version."""
         loaded, servable = self.version, self._servable()
         version = loaded if any(r.version == loaded for r in servable) else servable[0].version
         return self._take_joiners(version)
 
-    def _servable(self) -> list[_Request]:
+    def _servable(self) -> list[Request]:
         """The waiting requests that may be served now: while episodes hold a version (`hold`), only its own."""
         return [r for r in self._waiting if not self._holds or r.version in self._holds]
 
-    def _take_joiners(self, version: int) -> list[_Request]:
+    def _take_joiners(self, version: int) -> list[Request]:
         """Waiting requests the policy lets join a batch serving `version` (call with the lock held)."""
         batch, self._waiting = self._policy.joiners(self._waiting, version)
         return batch
@@ -296,7 +264,7 @@ class RolloutServer:
             self.loads.append((version, start, time.time()))
         return self._engine
 
-    def _serve(self, batch: list[_Request]) -> None:
+    def _serve(self, batch: list[Request]) -> None:
         """Generate chunk by chunk until every request of the batch, and of those that joined it, is answered.
 
         Each turn: load the version the policy names, decode one chunk of every live response in the engine's
@@ -306,7 +274,7 @@ class RolloutServer:
         if self._policy.max_versions > 1:
             return self._serve_versions(batch)
         session = None
-        active: list[tuple[_Request, list[PartialResponse]]] = []
+        active: list[tuple[Request, list[PartialResponse]]] = []
         pending = list(batch)
         chunk_index = 0
         try:
@@ -324,14 +292,14 @@ class RolloutServer:
                 self._give_away(session, active, budget)
                 active, pending = self._end_turn(active, budget)
         except BaseException as exc:
-            _fail([r for r, _ in active] + pending, exc)
+            fail([r for r, _ in active] + pending, exc)
             raise
 
-    def _serve_versions(self, batch: list[_Request]) -> None:
+    def _serve_versions(self, batch: list[Request]) -> None:
         """`_serve` under a policy that mixes versions (`ConcurrentVersions`): every version of the batch resident on
         the engine, each row in the session of its request's version, one chunk of every live row per turn."""
         session = None
-        active: list[tuple[_Request, list[PartialResponse]]] = []
+        active: list[tuple[Request, list[PartialResponse]]] = []
         pending, chunk_index = list(batch), 0
         try:
             while pending or active:
@@ -348,13 +316,13 @@ class RolloutServer:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                 self._give_away(session, [], budget)  # no running row is offered: orders get nothing
-                active = _hand_back_finished(active, budget)
+                active = hand_back_finished(active, budget)
                 pending = self._admit(list(dict.fromkeys(r.version for r, _ in active)))
         except BaseException as exc:
-            _fail([r for r, _ in active] + pending, exc)
+            fail([r for r, _ in active] + pending, exc)
             raise
 
-    def _admit(self, versions: list[int]) -> list[_Request]:
+    def _admit(self, versions: list[int]) -> list[Request]:
         """Waiting requests that join a batch of `versions` (none once all ended: `_take_batch` chooses anew)."""
         self._engine.resident.running = frozenset(versions)  # a version whose requests all ended may be evicted
         with self._cond:
@@ -363,7 +331,7 @@ class RolloutServer:
             joined, self._waiting = self._policy.admit(self._waiting, versions)
             return joined
 
-    def _hold_versions(self, requests: list[_Request]) -> RolloutEngine:
+    def _hold_versions(self, requests: list[Request]) -> RolloutEngine:
         """The engine with every version of `requests` resident: one not resident is loaded in place of the least
         recently used version that has no request in the batch."""
         engine = self._started()
@@ -380,7 +348,7 @@ class RolloutServer:
                 self.loads.append((version, start, time.time()))
         return engine
 
-    def _rows_of(self, request: _Request) -> list[PartialResponse]:
+    def _rows_of(self, request: Request) -> list[PartialResponse]:
         """The responses of a request joining the batch: its `n` samples, or the one response it continues."""
         if request.arrival is not None:
             request.rows = [PartialResponse.continuing(request.arrival)]
@@ -404,11 +372,11 @@ class RolloutServer:
             for key, s in live.items():
                 kept = old.sampler_state(key) if old is not None else None
                 s.stream = kept if kept is not None else s.stream
-                _place(session, key, s)
+                place(session, key, s)
             return session
         for _, states in fresh:
             for s in states:
-                _place(session, id(s), s)
+                place(session, id(s), s)
         return session
 
     def _give_away(self, session: DecodeSession, active: list, budget: int) -> None:
@@ -418,7 +386,7 @@ class RolloutServer:
             orders, self._orders = self._orders, []
         for order in orders:
             running = [(r, s) for r, states in active for s in states if not s.done(budget)]
-            order.result = [_hand_over_row(session, r, s, budget) for r, s in order.choose(running)]
+            order.result = [hand_over_row(session, r, s, budget) for r, s in order.choose(running)]
             order.done.set()
 
     def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
@@ -436,13 +404,13 @@ class RolloutServer:
         kept = engine.open_session() if self._keep_kv_cache else None
         return kept if kept is not None else ReencodingSession(engine)
 
-    def _end_turn(self, active: list, budget: int) -> tuple[list, list[_Request]]:
+    def _end_turn(self, active: list, budget: int) -> tuple[list, list[Request]]:
         """Answer the requests whose responses all ended; those that arrived during the chunk join the next one."""
-        active = _hand_back_finished(active, budget)
+        active = hand_back_finished(active, budget)
         with self._cond:
             return active, self._take_joiners(self.version)
 
-    def _load_for(self, requests: list[_Request]) -> RolloutEngine:
+    def _load_for(self, requests: list[Request]) -> RolloutEngine:
         """The engine holding the version the policy names for these requests.
 
         A failed load is tried again only while the policy now names another version: the one it named was retained
@@ -456,45 +424,3 @@ class RolloutServer:
                 version, path = self._policy.weights_for(requests, self.version)
                 if version == failed:
                     raise
-
-
-def _hand_back_finished(active: list[tuple[_Request, list[PartialResponse]]], budget: int) -> list:
-    """Answer the requests whose responses all ended; the others stay active."""
-    still = []
-    for request, states in active:
-        if all(s.done(budget) for s in states):
-            request.result = [s.outcome() for s in states]
-            request.done.set()
-        else:
-            still.append((request, states))
-    return still
-
-
-def _place(session: DecodeSession, key, s: PartialResponse) -> None:
-    """Put a response into the session: one handed over by another instance is adopted when the session serves its
-    version; any other (or one arriving after a version change, `PartialRollout`) is encoded from its prompt and
-    tokens so far."""
-    arrival, s.arrival = s.arrival, None
-    if arrival is not None and arrival.version == session.version:
-        s.migration = session.adopt(key, arrival)
-        return
-    session.add(key, s.prompt_ids + s.tokens, stream=s.stream)
-    if arrival is not None:
-        s.migration = MigrationCost.of(arrival, len(s.prompt_ids) + len(s.tokens), float("nan"))
-
-
-def _hand_over_row(session: DecodeSession, request: _Request, s: PartialResponse, budget: int) -> Continuation:
-    """Take a running response out of the session as a continuation (it is done here from now on)."""
-    row = session.export(id(s))
-    s.handed_over = Continuation(
-        version=session.version, request_id=request.request_id, sample_index=s.sample_index, seed=request.seed,
-        prompt_ids=np.array(s.prompt_ids, np.int32), token_ids=np.array(s.tokens, np.int32),
-        logprobs=np.array(s.logprobs, np.float32), versions=np.array(s.versions, np.int32), max_new_tokens=budget,
-        row=row, handed_over_at=time.time())
-    return s.handed_over
-
-
-def _fail(requests: list[_Request], exc: BaseException) -> None:
-    for request in requests:
-        request.error = exc
-        request.done.set()
