@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.tables import formatted, markdown_table  # noqa: E402 - after the path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_PACED_CORE_SHARE = 0.8
 CPU_PACED_MACHINE_SHARE = 0.9
@@ -261,19 +263,8 @@ COLUMNS = [
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        cells = []
-        for key, _, fmt in COLUMNS:
-            value = row.get(key, "")
-            if key == "cpu_paced":
-                cells.append("CPU-PACED (this machine)" if value else "emulated hardware")
-            elif key == "audit_ok":
-                cells.append("PASS" if value else "FAIL")
-            else:
-                cells.append(fmt.format(value) if value != "" else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table([title for _, title, _ in COLUMNS],
+                          [[formatted(key, row.get(key), fmt) for key, _, fmt in COLUMNS] for row in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.emulated_scale import CliCluster, run_and_measure
 from benchmarks.sim_vs_emulation import make_config, run_sim
-from benchmarks.tables import markdown_table
+from benchmarks.tables import formatted, markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWITCHINGS = ("drain", "queue", "migrate")
@@ -133,15 +133,11 @@ def cell(row: dict, key: str, fmt: str) -> str:
         return f"{row['tbs']} / {row['rbs']}"
     if key == "overhead_share":
         return f"{value:.2%} ({row['orchestration_share']:.2%} + {row['transfer_share']:.2%})"
-    if key == "cpu_paced":
-        return "CPU-PACED (this machine)" if value else "emulated hardware"
-    if key == "audit_ok":
-        return "PASS" if value else "FAIL"
     if key == "sim_tokens_per_s" and value is not None:
         return f"{value:,.0f} ({value / row['throughput'] - 1:+.1%})"
     if key == "sim_rollout_bubble" and value is not None:
         return f"{value:.1%} ({value - row['rollout_bubble']:+.1%})"
-    return "-" if value is None else fmt.format(value)
+    return formatted(key, value, fmt)
 
 
 def table(rows: list[dict]) -> str:

@@ -7,3 +7,13 @@ def markdown_table(titles: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
+
+
+def formatted(key: str, value, fmt: str) -> str:
+    """One cell of the emulation's tables: who set the pace, the audit's verdict, "-" for a missing value, else
+    `fmt` of the value."""
+    if key == "cpu_paced":
+        return "CPU-PACED (this machine)" if value else "emulated hardware"
+    if key == "audit_ok":
+        return "PASS" if value else "FAIL"
+    return "-" if value is None or value == "" else fmt.format(value)
