@@ -3,10 +3,11 @@
 Calibration on one cell only, sync at 64 GPUs (22.91 min, 14,143 tokens/s): tokens/s x step time fixes the tokens
 of a step, hence the length scale `response_p50`; the step time then fixes `bandwidth_efficiency`. Every other
 setting stays at its stated prior (dora_tasks/core/config.py EmulationConfig, pipelines/simulator/config.py), and
-every other cell is predicted. Writes benchmarks/results/paper_table.md (and paper_table.png).
+every other cell is predicted. Writes benchmarks/results/paper_table.md (and weak_scaling.png).
 
     python benchmarks/paper_table.py [--quick]     # --quick: fewer steps, sweep to 1,024 accelerators
     python benchmarks/paper_table.py --only beat   # one section alone, to paper_table_beat.md
+    python benchmarks/paper_table.py --quick --only scaling --scale-to 4096   # the weak-scaling sweep alone
 """
 from __future__ import annotations
 
@@ -145,16 +146,29 @@ def sweeps(em: EmulationConfig):
             run(em, gpus=64, mode="dora", train_batch_size=32, rollout_batch_size=64, max_staleness=16)),
         row("one-step, streaming refill (not batch by batch)", run(em, gpus=64, mode="one-step-streaming")),
     ]
+    yield SCALING_TITLE, scaling(em)
+
+
+SCALING_TITLE = "Accelerators, weak scaling (8 prompts x 16 samples per accelerator a step; sync vs DORA K=3)"
+
+
+def scaling(em: EmulationConfig) -> list[str]:
+    """Sync and DORA K=3 from 64 accelerators to `--scale-to`, each with the paper's 8 prompts per accelerator."""
     scale = []
     for gpus in ARGS.scale:
         prompts = 512 * gpus // 64  # weak scaling: the paper's 8 prompts per accelerator a step
         steps = dict(steps=3, warmup_steps=1) if gpus > 256 else {}
+        t0 = (time.time(), time.process_time())
         sync = run(em, gpus=gpus, mode="sync", prompts_per_step=prompts, **steps)
+        t1 = (time.time(), time.process_time())
         dora = run(em, gpus=gpus, mode="dora", prompts_per_step=prompts, train_batch_size=prompts,
                    rollout_batch_size=2 * prompts, **steps)
+        t2 = (time.time(), time.process_time())
+        print(f"{gpus} accelerators: sync {t1[0] - t0[0]:.0f} s of wall time ({t1[1] - t0[1]:.0f} s of CPU), "
+              f"DORA {t2[0] - t1[0]:.0f} s ({t2[1] - t1[1]:.0f} s)", flush=True)
         scale.append((gpus, prompts, sync, dora))
     plot(scale)
-    yield "Accelerators, weak scaling (8 prompts x 16 samples per accelerator a step; sync vs DORA K=3)", [
+    return [
         "| GPUs | prompts/step | sync step min | sync tokens/s | DORA split | DORA step min | DORA tokens/s | "
         "DORA/sync | DORA non-overlapped | DORA rollout bubble |", "|---|---|---|---|---|---|---|---|---|---|"] + [
         f"| {g} | {p} | {s.step_s / 60:.2f} | {s.tokens_per_s:,.0f} | {d.rollout_gpus}/{d.trainer_gpus} | "
@@ -218,15 +232,22 @@ def plot(scale) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, ratio) = plt.subplots(1, 2, figsize=(10, 4))
     gpus = [g for g, *_ in scale]
-    ax.plot(gpus, [s.tokens_per_s / g for g, _, s, _ in scale], "o-", label="sync")
-    ax.plot(gpus, [d.tokens_per_s / g for g, _, _, d in scale], "o-", label="DORA K=3")
-    ax.set(xscale="log", xlabel="accelerators (weak scaling)", ylabel="tokens/s per accelerator",
-           title="Simulated throughput per accelerator (virtual time)")
+    ax.plot(gpus, [s.tokens_per_s for _, _, s, _ in scale], "o-", label="sync")
+    ax.plot(gpus, [d.tokens_per_s for _, _, _, d in scale], "o-", label="DORA K=3")
+    ax.set(xscale="log", yscale="log", xlabel="accelerators (weak scaling)", ylabel="tokens/s",
+           title="Simulated throughput (virtual time)")
     ax.legend()
+    ratio.plot(gpus, [d.tokens_per_s / s.tokens_per_s for _, _, s, d in scale], "o-", color="C2")
+    ratio.set(xscale="log", xlabel="accelerators (weak scaling)", ylabel="DORA / sync (tokens/s)", ylim=(0, None),
+              title="DORA's speed-up over sync")
+    for a in (ax, ratio):
+        a.set_xticks(gpus, [str(g) for g in gpus])
+        a.minorticks_off()
     fig.tight_layout()
-    fig.savefig(OUT / "paper_table.png", dpi=110)
+    OUT.mkdir(exist_ok=True)
+    fig.savefig(OUT / "weak_scaling.png", dpi=110)
 
 
 BEAT_TITLE = ("Beating the paper on the same emulated hardware (DORA K=3 on the searched split, "
@@ -238,7 +259,7 @@ def only(name: str) -> None:
     """One section alone, written beside the page so that a full run's page stays whole."""
     t0 = time.time()
     em, log = calibrate()
-    title, section = {"beat": (BEAT_TITLE, beat)}[name]
+    title, section = {"beat": (BEAT_TITLE, beat), "scaling": (SCALING_TITLE, scaling)}[name]
     lines = section(em)
     text = [f"## Sweep: {title}", "", f"Calibration: {'; '.join(log)}. {ARGS.steps} steps a run, the first 2 left "
             "out.", ""] + lines
@@ -269,8 +290,12 @@ def main() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("beat",), help="run this section alone")
+    parser.add_argument("--only", choices=("beat", "scaling"), help="run this section alone")
+    parser.add_argument("--scale-to", type=int, metavar="GPUS",
+                        help="largest cluster of the weak-scaling sweep (default 4096, 1024 with --quick)")
     ARGS = parser.parse_args()
     ARGS.steps = 5 if ARGS.quick else 8
     ARGS.scale = (64, 128, 256, 1024) if ARGS.quick else (64, 128, 256, 512, 1024, 2048, 4096)
+    if ARGS.scale_to:  # every doubling from 64
+        ARGS.scale = tuple(64 * 2 ** i for i in range(8) if 64 * 2 ** i <= ARGS.scale_to)
     only(ARGS.only) if ARGS.only else main()

@@ -135,6 +135,11 @@ class TrainerPlugin(WorkerPlugin):
     def get_engine(self, version: int):
         return self.engine if self.engine is not None else self.start_engine(version)
 
+    def teardown(self, worker) -> None:  # replaced by the next run's plugin on a cluster that outlives this run
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+            self.engine = None
+
 
 def rollout_server():
     plugin = get_worker().plugins[ROLLOUT_PLUGIN]

@@ -109,10 +109,14 @@ def read_weights(version: int, path: str) -> WeightFiles:
 
 
 def _received(shipped: WeightFiles) -> WeightsReceived:
-    """Where this worker copied `shipped` from and how long it took (its incoming-transfer log)."""
-    key = ("weights", shipped.version)
-    for entry in reversed(get_worker().transfer_incoming_log):
-        if key in entry["keys"]:
+    """Where this worker copied `shipped` from and how long it took (its incoming-transfer log), found by the key of
+    this task's dependency that holds it, ``("weights", version, ...)``: never a copy of an earlier run's key."""
+    worker = get_worker()
+    task = worker.state.tasks.get(worker.get_current_task())
+    keys = {d.key for d in (task.dependencies if task is not None else ())
+            if isinstance(d.key, tuple) and d.key[:2] == ("weights", shipped.version)}
+    for entry in reversed(worker.transfer_incoming_log):
+        if keys.intersection(entry["keys"]):
             return WeightsReceived(shipped.version, entry["who"], shipped.nbytes, entry["duration"])
     return WeightsReceived(shipped.version, "", shipped.nbytes, 0.0)  # held already (computed here)
 

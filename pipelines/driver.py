@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import singledispatchmethod
 from typing import Any, Callable
 
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from dora_tasks import steps
 from dora_tasks.core.clock import Clock
@@ -62,6 +63,13 @@ POLL_S = 1.0  # a blocking wait looks at the cluster again this often (a paused 
 
 class RunError(RuntimeError):
     """A task of the run failed; the message names it. The store keeps everything consumed so far."""
+
+
+def engine_batch_rows(cfg: Config) -> int:
+    """Rows one instance's engine decodes at once, where it bounds them below its slots' rows (the emulated engine's
+    `emulation.max_rows`, like vLLM's max_num_seqs): the orchestrator then knows which rows queue inside an engine
+    (what `switching=migrate` moves). 0: every row of its groups decodes at once (the transformers engine)."""
+    return cfg.emulation.max_rows if cfg.emulated else 0
 
 
 @dataclass
@@ -96,6 +104,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     last_metrics: dict[str, float] = field(default_factory=dict)
     observers: list[Callable[[Event], None]] = field(default_factory=list)
     shared: SharedWeights = field(init=False)  # each version's weights as Dask data, copied peer to peer
+    run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # ends every key this run submits
     _synced: float = 0.0
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
@@ -104,12 +113,29 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="dora-hand-over"))
 
     def __post_init__(self) -> None:
-        self.shared = SharedWeights(self.client, self.weights)
+        self.shared = SharedWeights(self.client, self.weights, run_tag=self.run_tag)
         if self.reward_fn is None:
             self.reward_fn = self.cfg.task.reward_fn
 
     def close(self) -> None:
         self.hand_over_pool.shutdown(wait=False, cancel_futures=True)
+        self.release_futures()
+
+    def release_futures(self) -> None:
+        """Drop every Dask future of the run, so that a cluster that outlives it (a client given to the run) forgets
+        its tasks and data at once; a task still running there ends on its own, its result unused."""
+        self.tracked.clear()
+        self.in_flight.clear()
+        self.updates.clear()
+        self.shared.futures.clear()
+        while not self._finished.empty():
+            self._finished.get()
+
+    def task_key(self, name: str, *parts) -> tuple:
+        """The key of a task of this run: `(name, *parts, run_tag)`. Runs one after another on one cluster never
+        share a key, so no task gets the result of an earlier run's task of the same name (Dask hands back the future
+        already known under a key)."""
+        return (name, *parts, self.run_tag)
 
     # ---- events --------------------------------------------------------------------------------------------------
     def subscribe(self, observer: Callable[[Event], None]) -> None:
@@ -209,7 +235,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             if address not in workers.rollout:
                 self.restart_groups_of(address)
         for address, slots in workers.rollout.items():
-            self.orchestrator.add_instance(address, slots)
+            self.orchestrator.add_instance(address, slots, batch_rows=engine_batch_rows(self.cfg))
 
     def check_workers(self) -> Workers:
         """The cluster's labelled workers; raises `ClusterError` once one has stayed paused too long."""
@@ -247,7 +273,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         seed = self.cfg.dora.seed * SEED_STRIDE + gid * ATTEMPT_SEEDS + attempt
         rolled = self.client.submit(steps.rollout, gid, prompt, v, self.weights.path_for(v),
                                     self.cfg.rollout.group_size, seed, attempt,
-                                    self.shared.for_group(start.instance, v), key=("rollout", v, gid) + suffix,
+                                    self.shared.for_group(start.instance, v),
+                                    key=self.task_key("rollout", v, gid, *suffix),
                                     workers=[start.instance], resources=ROLLOUT, pure=False)
         self.in_flight[gid] = InFlight(gid, v, attempt, [rolled], start.instance)
         self.track(rolled, RolloutTask(gid, v, start.instance))
@@ -280,12 +307,13 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             rolled = [self.in_flight[g].scoring_input() for g in gids]
             rewarded = self.client.submit(steps.reward, rolled, self.model_path, self.reward_fn, t.reward_timeout_s,
                                           t.reward_isolation, t.reward_memory_bytes,
-                                          key=("reward", n), resources=CPU, pure=False)
+                                          key=self.task_key("reward", n), resources=CPU, pure=False)
             if self.cfg.reward.model:  # the reward model, on its own worker, combined with the rule reward
-                rewarded = self.client.submit(steps.model_reward, rewarded, self.model_path, key=("reward-model", n),
+                rewarded = self.client.submit(steps.model_reward, rewarded, self.model_path,
+                                              key=self.task_key("reward-model", n),
                                               resources=REWARD_MODEL, pure=False)
             scored = self.client.submit(steps.advantage, rewarded, a.advantage, a.filter_degenerate,
-                                        key=("advantage", n), resources=CPU, pure=False)
+                                        key=self.task_key("advantage", n), resources=CPU, pure=False)
             for g in gids:
                 self.in_flight[g].futures += [rewarded, scored]
             self.track(scored, ScoringTask(n, tuple(gids)))
@@ -324,9 +352,9 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         suffix = (restarts,) if restarts else ()  # the key of a cancelled task is never reused
         batch = self.send_to_trainer([self.complete[g] for g in decision.group_ids])
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
-                                     c.rollout.partial_rollout, batch, key=("gate", u) + suffix, resources=CPU,
-                                     pure=False)
-        updated = self.client.submit(steps.update, checked, self.weights.root, key=("update", u) + suffix,
+                                     c.rollout.partial_rollout, batch, key=self.task_key("gate", u, *suffix),
+                                     resources=CPU, pure=False)
+        updated = self.client.submit(steps.update, checked, self.weights.root, key=self.task_key("update", u, *suffix),
                                      resources=TRAINER, pure=False)
         self.updates.append(QueuedUpdate(decision, self.clock.now(), batch, checked, updated))
         self.track(updated, UpdateTask(u))
@@ -381,7 +409,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
         def save_trainer(folder: str) -> None:
             self.client.submit(steps.save_trainer_checkpoint, folder, resources=TRAINER, pure=False,
-                               key=("checkpoint", update, self.counters["trainer_restarts"])).result()
+                               key=self.task_key("checkpoint", update, self.counters["trainer_restarts"])).result()
 
         while True:
             try:
@@ -410,11 +438,11 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         evaluated yet (version 0, or the checkpoint's version after a resume)."""
         v, path = self.gate.newest, self.weights.path_for(self.gate.newest)
         prompt = list(self.train_prompts[0].token_ids)
-        futures = [self.client.submit(steps.warm_up_rollout, v, path, prompt, key=("warm-up", v, address),
+        futures = [self.client.submit(steps.warm_up_rollout, v, path, prompt, key=self.task_key("warm-up", v, address),
                                       workers=[address], resources=ROLLOUT, pure=False)
                    for address in self.orchestrator.instances]
-        trainer = self.client.submit(steps.warm_up_trainer, v, key=("warm-up-trainer", v), resources=TRAINER,
-                                     pure=False)
+        trainer = self.client.submit(steps.warm_up_trainer, v, key=self.task_key("warm-up-trainer", v),
+                                     resources=TRAINER, pure=False)
         if v not in self.accuracy and self.evaluation_due(v):
             self.submit_evaluation(v)
         for f in futures + [trainer]:
@@ -427,8 +455,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
         for address in self.orchestrator.instances:
             self.shared.on_loaded(address, v)  # loaded from the store by the warm-up
-        while self.evaluations():
-            wait(self.evaluations())
+        while self.evaluations():  # not `distributed.wait`: that waits on the process's default client
             for future in self.wait_any(POLL_S):
                 self.on_done(future)
         self.timeline = Timeline(self.clock.now())

@@ -34,8 +34,8 @@ class Evaluations:
         future = self.client.submit(steps.evaluate, self.weights.path_for(version), self.eval_prompts,
                                     self.model_path, self.reward_fn, self.cfg.rollout.max_new_tokens, seed,
                                     t.reward_timeout_s, t.reward_isolation, t.reward_memory_bytes,
-                                    key=("evaluate", version) + ((attempt,) if attempt else ()), resources=CPU,
-                                    pure=False, priority=EVALUATION_PRIORITY)
+                                    key=self.task_key("evaluate", version, *((attempt,) if attempt else ())),
+                                    resources=CPU, pure=False, priority=EVALUATION_PRIORITY)
         self.track(future, EvaluationTask(version, attempt))
 
     def on_evaluated(self, task: EvaluationTask, future: Future) -> None:

@@ -210,7 +210,7 @@ class RequestMigration:
             held = group.futures[0] if old.hop == 0 else group.resumes[(sample, old.hop)]
             again = (group.attempt, new.hop) if group.attempt or new.hop > 1 else ()
             resumed = self.client.submit(steps.resume, held, sample, path, moves.carries_group(sample, old),
-                                         key=("resume", group.version, group.group_id, sample) + again,
+                                         key=self.task_key("resume", group.version, group.group_id, sample, *again),
                                          workers=[new.instance], resources=ROLLOUT_ROW, pure=False)
             group.resumes[(sample, new.hop)] = resumed
             group.futures.append(resumed)

@@ -41,7 +41,7 @@ all G; the simulator (`pipelines.simulator`) reports every request end and KV us
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pipelines.switching import Drain, Switching
@@ -105,10 +105,19 @@ class Orchestrator:
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # group_id -> its requests still running
     tokens: dict[int, int] = field(default_factory=dict)  # group_id -> KV tokens its unfinished requests hold
     queued: dict[int, deque] = field(default_factory=dict)  # version -> group ids waiting to (re)start on it
+    # running totals per instance address, kept with every change so that a decision need not sum over its groups
+    rows_used: dict[str, int] = field(default_factory=dict)  # unfinished requests of its running groups
+    kv_held: dict[str, int] = field(default_factory=dict)  # KV tokens (`tokens`) of its running groups
+    # and per version: running groups and their unfinished requests (`recount` after changing `running` directly)
+    groups_of_version: Counter = field(default_factory=Counter)
+    rows_of_version: Counter = field(default_factory=Counter)
+    _versions_held: Counter | None = field(default=None, init=False, repr=False, compare=False)  # within `decide`
 
     # ---- events --------------------------------------------------------------------------------------------------
     def add_instance(self, address: str, slots: int, kv_budget: int = 0, batch_rows: int = 0) -> None:
         self.instances.setdefault(address, Instance(address, slots, kv_budget=kv_budget, batch_rows=batch_rows))
+        self.rows_used.setdefault(address, 0)
+        self.kv_held.setdefault(address, 0)
 
     def remove_instance(self, address: str) -> list[int]:
         """Forget an instance that died; its groups are queued to restart on their own version."""
@@ -119,6 +128,7 @@ class Orchestrator:
         for g in lost:
             version, _ = self._forget(g)
             self.queued.setdefault(version, deque()).append(g)
+        del self.rows_used[address], self.kv_held[address]
         return lost
 
     def on_publish(self, version: int) -> None:
@@ -132,20 +142,45 @@ class Orchestrator:
 
     def on_request_done(self, group_id: int, sample: int) -> None:
         """One request of a running group ended: its row is free (the group stays until `on_group_done`)."""
-        self.unfinished[group_id].discard(sample)
+        left = self.unfinished[group_id]
+        if sample in left:
+            left.discard(sample)
+            version, address = self.running[group_id]
+            self._count(address, rows=-1)
+            self.rows_of_version[version] -= 1
 
     def on_progress(self, group_id: int, tokens: int) -> None:
         """The KV tokens a running group's unfinished requests hold now."""
+        before = self.tokens.get(group_id, 0)
         self.tokens[group_id] = tokens
+        if group_id in self.running:
+            self._count(self.running[group_id][1], kv=tokens - before)
 
     def requeue(self, group_id: int, version: int) -> None:
         """Queue a known group to (re)start on `version` (used after a resume for groups whose rollout was lost)."""
         self.queued.setdefault(version, deque()).append(group_id)
 
     def _forget(self, group_id: int) -> tuple[int, str]:
-        self.unfinished.pop(group_id, None)
-        self.tokens.pop(group_id, None)
-        return self.running.pop(group_id)
+        rows = len(self.unfinished.pop(group_id, ()))
+        tokens = self.tokens.pop(group_id, 0)
+        version, address = self.running.pop(group_id)
+        self._count(address, -rows, -tokens)
+        self.groups_of_version[version] -= 1
+        self.rows_of_version[version] -= rows
+        return version, address
+
+    def recount(self) -> None:
+        """Rebuild the per-version totals after a caller changed the versions in `running` directly."""
+        self.groups_of_version, self.rows_of_version = Counter(), Counter()
+        for g, (v, _) in self.running.items():
+            self.groups_of_version[v] += 1
+            self.rows_of_version[v] += len(self.unfinished[g])
+
+    def _count(self, address: str, rows: int = 0, kv: int = 0) -> None:
+        """Add to an instance's running totals (`rows_used`, `kv_held`); an instance already removed has none."""
+        if address in self.rows_used:
+            self.rows_used[address] += rows
+            self.kv_held[address] += kv
 
     # ---- what instances hold ---------------------------------------------------------------------------------------
     def ordered_instances(self) -> list[Instance]:
@@ -155,7 +190,7 @@ class Orchestrator:
         return len(self.unfinished[group_id])
 
     def used_rows(self, inst: Instance) -> int:
-        return sum(len(self.unfinished[g]) for g in inst.running)
+        return self.rows_used[inst.address]
 
     def free_rows(self, inst: Instance) -> int:
         return inst.slots * self.group_size - self.used_rows(inst)
@@ -171,7 +206,7 @@ class Orchestrator:
     def free_kv(self, inst: Instance) -> float:
         if not inst.kv_budget:
             return float("inf")
-        return inst.kv_budget - sum(self.tokens.get(g, 0) for g in inst.running)
+        return inst.kv_budget - self.kv_held[inst.address]
 
     def versions_on(self, inst: Instance) -> set[int]:
         return {self.running[g][0] for g in inst.running}
@@ -188,8 +223,9 @@ class Orchestrator:
         """R_v: requests of each version still to run (running, queued to restart and, for the newest version, the
         new groups it could start now)."""
         work: dict[int, int] = {self.newest: 0}
-        for g, (v, _) in self.running.items():
-            work[v] = work.get(v, 0) + len(self.unfinished[g])
+        for v, groups in self.groups_of_version.items():
+            if groups:
+                work[v] = work.get(v, 0) + self.rows_of_version[v]
         for v, q in self.queued.items():
             if q:
                 work[v] = work.get(v, 0) + len(q) * self.group_size
@@ -199,6 +235,13 @@ class Orchestrator:
     # ---- decisions -----------------------------------------------------------------------------------------------
     def decide(self, capacity: int) -> list[Load | Start | Migrate]:
         """Actions for now. `capacity` is how many new groups the version gate allows to be dispatched."""
+        self._versions_held = Counter(i.version for i in self.instances.values())  # kept by `assign` meanwhile
+        try:
+            return self._decide(capacity)
+        finally:
+            self._versions_held = None
+
+    def _decide(self, capacity: int) -> list[Load | Start | Migrate]:
         actions: list[Load | Start | Migrate] = list(self.switching.plan(self, capacity))
         for inst in self.switching.fill_order(self):
             if not inst.running:
@@ -226,6 +269,9 @@ class Orchestrator:
     def assign(self, inst: Instance, version: int) -> Load:
         """`inst` serves `version` from now on, loaded from a peer that holds it when there is one."""
         peers = [i.address for i in self.ordered_instances() if i is not inst and i.version == version]
+        if self._versions_held is not None:
+            self._versions_held[inst.version] -= 1
+            self._versions_held[version] += 1
         inst.version = version
         return Load(inst.address, version, peers[0] if peers else "")
 
@@ -237,6 +283,9 @@ class Orchestrator:
         source.running.discard(group_id)
         target.running.add(group_id)
         self.running[group_id] = (version, target.address)
+        rows, tokens = len(self.unfinished[group_id]), self.tokens.get(group_id, 0)
+        self._count(source.address, -rows, -tokens)
+        self._count(target.address, rows, tokens)
         return Migrate(group_id, tuple(sorted(self.unfinished[group_id])), version, source.address, target.address)
 
     def _next_start(self, inst: Instance, capacity: int) -> Start | None:
@@ -251,6 +300,9 @@ class Orchestrator:
         inst.running.add(group_id)
         self.running[group_id] = (version, inst.address)
         self.unfinished[group_id] = set(range(self.group_size))
+        self._count(inst.address, self.group_size, self.tokens.get(group_id, 0))
+        self.groups_of_version[version] += 1
+        self.rows_of_version[version] += self.group_size
         return Start(inst.address, group_id, version, new)
 
     def _creatable(self, capacity: int) -> int:
@@ -263,10 +315,10 @@ class Orchestrator:
         """Proportional share: the live version whose remaining requests most exceed the instances serving it."""
         work = self.remaining_rows(capacity)
         total = sum(work.values()) or 1
-        serving = {v: 0 for v in work}
-        for other in self.instances.values():
-            if other is not inst and other.version in serving:
-                serving[other.version] += 1
+        held = self._versions_held
+        if held is None:
+            held = Counter(i.version for i in self.instances.values())
+        serving = {v: held[v] - (inst.version == v) for v in work}  # other instances serving v
         n = len(self.instances)
         candidates = [v for v in work if work[v] > 0 and (v == self.newest or self.queued.get(v))]
         if not candidates:
@@ -281,6 +333,9 @@ class Orchestrator:
 
         for inst in self.instances.values():
             check(0 <= self.free_rows(inst), f"{inst.address} runs more requests than it has rows")
+            check(self.rows_used[inst.address] == sum(len(self.unfinished[g]) for g in inst.running)
+                  and self.kv_held[inst.address] == sum(self.tokens.get(g, 0) for g in inst.running),
+                  f"{inst.address}'s running totals of rows and KV tokens drifted from its groups")
             for g in inst.running:
                 version, address = self.running.get(g, (None, None))
                 check(address == inst.address and version is not None and version <= inst.version,
@@ -288,6 +343,11 @@ class Orchestrator:
             versions = self.versions_on(inst)
             check(len(versions - {inst.version}) < self.switching.versions_per_instance,
                   f"{inst.address} holds groups of versions {sorted(versions)} (version {inst.version})")
+        groups, rows = Counter(v for v, _ in self.running.values()), Counter()
+        for g, (v, _) in self.running.items():
+            rows[v] += len(self.unfinished[g])
+        check(+self.groups_of_version == groups and +self.rows_of_version == rows,
+              "the per-version totals of running groups and requests drifted")
         owned = [g for i in self.instances.values() for g in i.running]
         check(len(owned) == len(set(owned)), "a group runs on two instances")
         check(set(owned) == set(self.running) == set(self.unfinished), "running groups and instance rows disagree")

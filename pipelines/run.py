@@ -450,7 +450,7 @@ def _restore(run: Run, ckpt) -> None:
     d.accuracy = {int(v): a for v, a in ckpt.state["accuracy"].items()}
     d.pinned_versions = set(d.gate.unconsumed.values()) | {d.gate.newest}
     d.retain_weights(drop_unseen=True)  # versions published after the checkpoint will be published again
-    d.client.submit(steps.load_trainer_checkpoint, ckpt.file("trainer"), d.gate.newest, key=("restore", ckpt.update),
-                    resources=TRAINER, pure=False).result()
+    d.client.submit(steps.load_trainer_checkpoint, ckpt.file("trainer"), d.gate.newest,
+                    key=d.task_key("restore", ckpt.update), resources=TRAINER, pure=False).result()
     log.info("resumed from %s at version %d with %d groups to roll out again", ckpt.path, d.gate.newest,
              len(d.gate.unconsumed))

@@ -8,9 +8,12 @@
 * `Migrate` (DORA's Algorithm 1, steps 2-4): each live version gets a share of the instances in proportion to its
   remaining requests; an instance leaving an older version hands its unfinished requests to instances that stay on
   that version (fewest remaining requests leave first; a request goes where its rows and KV cache fit, and never to
-  another version), then loads the newest version from a peer that holds it. A leaver whose requests do not all fit
-  drains instead. Then, within each version, groups queued on an instance beyond what its engine decodes at once
-  move to instances of that version with room (an instance that just switched takes the newest version's backlog).
+  another version), then loads the newest version from a peer that holds it. An instance leaves only while requests
+  of the newest version wait for a batch row that no instance serving it, nor an empty one, has free (else it would
+  idle, and its requests decode slower in a fuller batch: a step's time grows with the batch's KV cache); a leaver
+  whose requests do not all fit drains instead. Then, within each version, groups queued on an instance beyond what
+  its engine decodes at once move to instances of that version with room (an instance that just switched takes the
+  newest version's backlog).
 * `Concurrent(M)` (`rollout.versions_per_instance` = M > 1; LoRA adapters, one per version): an instance holding
   requests of fewer than M distinct versions, the newest counted, takes the newest version at once (it loads that
   version's adapter beside the ones it holds) and starts its new groups in the rows its older requests leave free;
@@ -85,7 +88,10 @@ class Migrate(Drain):
     name, versions_per_instance = "migrate", 1
 
     def plan(self, orch, capacity):
+        """Leavers, fewest remaining requests first, while requests of the newest version wait for a batch row:
+        a leaver with none to take would idle while its requests decode slower in a stayer's fuller batch."""
         shares = proportional_shares(orch.remaining_rows(capacity), len(orch.instances))
+        waiting = rows_waiting_for_newest(orch)
         actions = []
         for version in sorted({i.version for i in orch.instances.values() if i.version is not None}):
             if version == orch.newest:
@@ -95,9 +101,12 @@ class Migrate(Drain):
             leavers = sorted(serving, key=lambda i: (orch.used_rows(i), i.address))[:max(0, surplus)]
             stayers = [i for i in serving if i not in leavers]
             for leaver in leavers:
+                if waiting <= 0:
+                    return actions
                 moves = place(orch, leaver, stayers)
                 if moves is not None:
                     actions += [orch.migrate(group_id, leaver, target) for group_id, target in moves]
+                    waiting -= orch.free_batch_rows(leaver)  # the batch it now offers the newest version
         return actions
 
     def rebalance(self, orch):
@@ -157,9 +166,21 @@ def proportional_shares(remaining: dict[int, int], instances: int) -> dict[int, 
     return shares
 
 
+def rows_waiting_for_newest(orch) -> int:
+    """Requests of the newest version waiting for a batch row (queued in an engine beyond its batch, or to restart)
+    beyond the free batch rows of the instances serving it and of the empty ones: what a leaver takes at once
+    (`rebalance` moves it there). New groups not yet created do not count: they start where rows free up."""
+    serving = [i for i in orch.instances.values() if i.version == orch.newest]
+    waiting = sum(orch.queued_rows(i) for i in serving) + len(orch.queued.get(orch.newest, ())) * orch.group_size
+    room = sum(max(0, orch.free_batch_rows(i)) for i in orch.instances.values()
+               if i.version == orch.newest or not i.running)
+    return waiting - room
+
+
 def place(orch, leaver, stayers) -> list[tuple[int, object]] | None:
     """Where each of the leaver's groups goes (all of a group's unfinished requests together): the stayer with most
-    free rows whose running batch and KV budget take it (it decodes them at once, never queues them). None when any group fits nowhere: the leaver drains instead."""
+    free rows whose running batch and KV budget take it (it decodes them at once, never queues them). None when any
+    group fits nowhere: the leaver drains instead."""
     free = {s.address: orch.free_batch_rows(s) for s in stayers}
     kv = {s.address: orch.free_kv(s) for s in stayers}
     moves = []
@@ -186,12 +207,20 @@ def balance(orch, serving: list) -> list:
     actions = []
     for donor in serving:
         queued = orch.queued_rows(donor)
+        if not kv:
+            break  # no instance has room left, and none will
+        if (not queued and all(orch.unfinished[g] for g in donor.running)) or kv.keys() == {donor.address}:
+            continue  # nothing queued beyond its batch, or no room but its own: no group of it moves
+        unplaced = None  # fewest rows of a group that fit nowhere: no later group (as many tokens or more) fits either
         for group_id in sorted(donor.running, key=lambda g: (orch.tokens.get(g, 0), g)):
             rows, tokens = orch.rows_of(group_id), orch.tokens.get(group_id, 0)
             if queued < rows or not kv:
                 break
+            if unplaced is not None and rows >= unplaced:  # rooms and KV budgets only shrink below
+                continue
             fits = [a for a in kv if a != donor.address and room[a] >= rows and kv[a] >= tokens]
             if not fits:
+                unplaced = rows
                 continue
             target = max(fits, key=lambda a: (room[a], a))
             actions.append(orch.migrate(group_id, donor, orch.instances[target]))

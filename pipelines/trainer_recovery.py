@@ -75,8 +75,8 @@ class TrainerRecovery:
             self.wait_for_trainer()
             try:
                 restored = self.client.submit(steps.restore_trainer, self.gate.newest, folder, resources=TRAINER,
-                                              key=("restore-trainer", self.counters["trainer_restarts"]), pure=False
-                                              ).result(timeout=RESTORE_TIMEOUT_S)
+                                              key=self.task_key("restore-trainer", self.counters["trainer_restarts"]),
+                                              pure=False).result(timeout=RESTORE_TIMEOUT_S)
             except TRAINER_LOSS as exc:
                 why = f"lost again while restored: {type(exc).__name__}"
             except TimeoutError:

@@ -1,4 +1,4 @@
-"""Peer-to-peer weights: each policy version is one piece of Dask data, ``("weights", v)``, that instances copy
+"""Peer-to-peer weights: each policy version is one piece of Dask data, ``("weights", v, run_tag)``, that instances copy
 from one another instead of each reading the weight store.
 
 The store is read once per version, by a task on a CPU worker (`steps.read_weights`). The groups an instance runs on
@@ -24,7 +24,8 @@ from storage.weight_store import WeightStore
 class SharedWeights:
     client: Client
     store: WeightStore
-    futures: dict[int, Future] = field(default_factory=dict)  # version -> ("weights", v)
+    run_tag: str = ""  # ends the keys, as every key of the run (`Driver.task_key`)
+    futures: dict[int, Future] = field(default_factory=dict)  # version -> ("weights", v, run_tag)
     loaded: set[tuple[str, int]] = field(default_factory=set)  # (instance, version) the instance holds
 
     def for_group(self, instance: str, version: int) -> Future | None:
@@ -33,7 +34,8 @@ class SharedWeights:
             return None
         if version not in self.futures:
             self.futures[version] = self.client.submit(steps.read_weights, version, self.store.path_for(version),
-                                                       key=("weights", version), resources=CPU, pure=False)
+                                                       key=("weights", version, self.run_tag), resources=CPU,
+                                                       pure=False)
         return self.futures[version]
 
     def on_loaded(self, instance: str, version: int) -> None:

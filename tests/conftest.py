@@ -1,7 +1,10 @@
-"""Shared fixtures: one thread per process (2-core machines), offline hub, small real pipeline configs."""
+"""Shared fixtures: one thread per process (2-core machines), offline hub, small real pipeline configs, and embedded
+clusters shared by the end-to-end runs of one cluster shape."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import OrderedDict
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,3 +38,75 @@ def small_config(tmp_path):
         return load_config(None, base + list(overrides))
 
     return make
+
+
+# ---- embedded clusters shared between tests ----------------------------------------------------------------------
+SHARED_CLUSTERS_KEPT = 3  # shapes alive at once (the default suite interleaves 5); ~390 MiB unique per worker
+
+
+def cluster_shape(cfg: Config) -> tuple:
+    """Everything `pipelines.cluster.embedded_cluster` builds its workers from: two configs of one shape get the same
+    cluster."""
+    r = cfg.rollout
+    return (r.instances, r.slots, r.kv_cache_bytes, bool(cfg.reward.model), dataclasses.astuple(cfg.cluster))
+
+
+class SharedClusters:
+    """Embedded clusters that outlive a test, one per cluster shape, the most recently used few kept. A test whose run
+    neither kills nor restarts workers, nor checks how its cluster starts or closes, passes `client_for(cfg)` to its
+    run (`RunInputs(client=...)`) instead of starting a cluster of its own, whose workers import the engines again
+    at its first run, and closing it (~45 s of a 2-core machine at load 5; a later run on a warm cluster: ~1-2 s)."""
+
+    def __init__(self) -> None:
+        self.open: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (cluster, client)
+
+    def client_for(self, cfg: Config):
+        from distributed import Client
+
+        from pipelines.cluster import embedded_cluster, security
+
+        shape = cluster_shape(cfg)
+        if shape in self.open and self._whole(*self.open[shape]):
+            self.open.move_to_end(shape)
+            return self.open[shape][1]
+        self._close(shape)
+        while len(self.open) >= SHARED_CLUSTERS_KEPT:
+            self._close(next(iter(self.open)))
+        cluster = embedded_cluster(cfg)
+        self.open[shape] = cluster, Client(cluster, security=security(cfg.cluster), set_as_default=False,
+                                           direct_to_workers=cfg.cluster.direct_to_workers)  # as `connect` does
+        return self.open[shape][1]
+
+    @staticmethod
+    def _whole(cluster, client) -> bool:
+        """Still usable: connected, with every worker it started (an earlier test's failure may have broken it)."""
+        try:
+            workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+        except (OSError, TimeoutError):
+            return False
+        return client.status == "running" and len(workers) == len(cluster.worker_spec)
+
+    def _close(self, shape: tuple) -> None:
+        from pipelines.run import close_cluster
+
+        if shape in self.open:
+            cluster, client = self.open.pop(shape)
+            client.close()
+            close_cluster(cluster)
+
+    def close(self) -> None:
+        for shape in list(self.open):
+            self._close(shape)
+
+
+@pytest.fixture(scope="session")
+def shared_clusters():
+    clusters = SharedClusters()
+    yield clusters
+    clusters.close()
+
+
+@pytest.fixture
+def shared_cluster(shared_clusters):
+    """`shared_cluster(cfg)`: a client on the session's embedded cluster of `cfg`'s shape (`SharedClusters`)."""
+    return shared_clusters.client_for

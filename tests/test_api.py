@@ -147,19 +147,31 @@ def test_run_log_takes_every_descriptor_write_and_keeps_the_terminal_for_the_use
     assert capfd.readouterr().err == "after\n"
 
 
+def test_runs_on_one_cluster_never_share_a_task_key():
+    """Dask hands back the future it already knows under a key: each run's keys end with a tag of its own (and keep
+    their name first, the dashboard's task prefix)."""
+    from pipelines.driver import Driver
+
+    first, second = (Driver(load_config(None, []), None, None, None, None, None, "", [], []) for _ in range(2))
+    key = first.task_key("rollout", 0, 7)
+    assert key[:3] == ("rollout", 0, 7) and key != second.task_key("rollout", 0, 7)
+    assert first.shared.run_tag == first.run_tag != second.run_tag
+
+
 @pytest.mark.slow
-def test_pipeline_runs_on_a_client_it_was_given_and_leaves_it_open(small_config, tmp_path):
-    from distributed import Client
-
-    from pipelines.cluster import embedded_cluster
-
-    cfg = small_config("dora.num_updates=2", "model.warmstart_steps=10", "rollout.max_new_tokens=8",
-                       "task.eval_prompts=4")
-    cluster = embedded_cluster(cfg)
-    with cluster, Client(cluster) as client:
-        summary = Pipeline(cfg, dataset=ROWS, reward=half_if_right, client=client).run()
-        assert client.status == "running" and len(client.scheduler_info()["workers"]) == 4
+def test_pipeline_runs_on_a_client_it_was_given_and_leaves_it_open(small_config, shared_cluster, tmp_path):
+    """The run leaves the client given and its cluster open (the session's shared cluster); the next run there, of
+    another model size, replaces the engines and gets no task or weights of the first."""
+    tiny = ["dora.num_updates=2", "model.warmstart_steps=10", "rollout.max_new_tokens=8", "task.eval_prompts=4"]
+    cfg = small_config(*tiny)
+    client = shared_cluster(cfg)
+    summary = Pipeline(cfg, dataset=ROWS, reward=half_if_right, client=client).run()
+    assert client.status == "running" and len(client.scheduler_info()["workers"]) == 4
     assert summary.audit_ok, summary.audit_text
     rewards = TrajectoryStore.open(summary.store).read_table("trajectories")["reward"]
     assert len(rewards) == 2 * 4 * 4 and set(np.unique(rewards)) <= {0.0, 0.5}  # the row's weight, not 1.0
     assert os.path.isfile(os.path.join(summary.run_dir, "run.log"))
+    wider = small_config(*tiny, "model.hidden_size=96", f"storage.run_dir={tmp_path / 'wider'}")
+    second = Pipeline(wider, dataset=ROWS, reward=half_if_right, client=client).run()
+    assert second.audit_ok, second.audit_text
+    assert len(TrajectoryStore.open(second.store).read_table("trajectories")["reward"]) == 2 * 4 * 4

@@ -187,3 +187,15 @@ def test_the_run_is_tagged_emulated_for_mlflow():
 
     tags = run_tags(emulated_config())
     assert tags["dora.emulated"] == "true" and tags["dora.clock"].startswith("emulated seconds")
+
+
+def test_the_orchestrator_knows_the_emulated_engines_batch_and_the_rows_queued_beyond_it():
+    from pipelines.driver import engine_batch_rows
+    from pipelines.orchestrator import Orchestrator
+
+    cfg = emulated_config("emulation.max_rows=6")
+    assert engine_batch_rows(cfg) == 6 and engine_batch_rows(load_config(None, [])) == 0
+    orch = Orchestrator(rollout_batch_size=12, group_budget=12, group_size=4)
+    orch.add_instance("a", slots=3, batch_rows=engine_batch_rows(cfg))  # 3 groups of 4 rows, 6 decode at once
+    inst = orch.instances["a"]
+    assert orch.free_batch_rows(inst) == 6 and orch.queued_rows(inst) == 0

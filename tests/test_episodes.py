@@ -410,17 +410,18 @@ EPISODE_RUN = [*TOOL_POLICY, f"task.environment={CALCULATOR}", "dora.num_updates
 
 
 @pytest.mark.slow
-def test_a_multi_turn_run_keeps_c1_over_the_model_tokens_and_records_turns_and_tool_calls(small_config):
+def test_a_multi_turn_run_keeps_c1_over_the_model_tokens_and_records_turns_and_tool_calls(small_config, shared_cluster):
     """Queued switching on one instance (groups of a newer version may reach it while episodes of an older one still
     run there: they wait, `RolloutServer.hold`, checked exactly by the server test above): the audit finds every
     model token of a trajectory from its group's version and every environment token marked, and the store and
     the update metrics hold the turns and tool calls."""
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
     from storage.trajectory_store import TrajectoryStore
 
     cfg = small_config(*EPISODE_RUN, "rollout.switching=queue", "rollout.instances=1", "rollout.slots=2")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     report = audit_store(summary.store, 1)
     assert report.ok, report.to_text()
     store = TrajectoryStore.open(summary.store)
@@ -443,28 +444,29 @@ def test_a_multi_turn_run_keeps_c1_over_the_model_tokens_and_records_turns_and_t
 
 
 @pytest.mark.slow
-def test_reward_rises_with_the_tool_and_above_the_no_tool_baseline(small_config, tmp_path):
+def test_reward_rises_with_the_tool_and_above_the_no_tool_baseline(small_config, shared_cluster, tmp_path):
     """RL learns to use the calculator: from the warm start (tool calls on ~1 response in 10, most of them with a
     miscopied operand or result), 20 updates of 8 groups of 8 raise the tool calls per response and the reward,
     while the same policy, seed and updates without the tool stay near zero (benchmarks/tool_use.py: the same
     comparison at the benchmark's size, docs/benchmark.md, "Tool use")."""
     common = [*TOOL_POLICY, "dora.num_updates=20", "rollout.group_size=8", "dora.train_batch_size=8",
               "dora.rollout_batch_size=16", "rollout.slots=2"]
-    tool = reward_and_calls(small_config(*common, f"task.environment={CALCULATOR}"))
-    baseline = reward_and_calls(small_config(*common, f"storage.run_dir={tmp_path / 'no_tool'}"))
+    tool = reward_and_calls(small_config(*common, f"task.environment={CALCULATOR}"), shared_cluster)
+    baseline = reward_and_calls(small_config(*common, f"storage.run_dir={tmp_path / 'no_tool'}"), shared_cluster)
     print(f"tool: reward first/last 5 updates {tool[0]}, tool calls per response {tool[1]}; "
           f"no tool: reward {baseline[0]}")
     assert tool[0][1] > tool[0][0] + 0.05 and tool[1][1] > tool[1][0] + 0.2, tool
     assert tool[0][1] > baseline[0][1] + 0.05 and baseline[1] == (0.0, 0.0), (tool, baseline)
 
 
-def reward_and_calls(cfg) -> tuple[tuple[float, float], tuple[float, float]]:
+def reward_and_calls(cfg, shared_cluster) -> tuple[tuple[float, float], tuple[float, float]]:
     """A run's (mean reward, tool calls per trajectory) over its first 5 and its last 5 updates; its audit passes."""
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
     from storage.trajectory_store import TrajectoryStore
 
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     assert audit_store(summary.store, cfg.dora.max_staleness).ok
     t = TrajectoryStore.open(summary.store).read_table("trajectories", ["consumed_by", "reward", "tool_calls"])
     first, last = t["consumed_by"] < 5, t["consumed_by"] >= cfg.dora.num_updates - 5

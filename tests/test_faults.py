@@ -15,6 +15,7 @@ from dora_tasks.workloads.rewards import RewardError, check_reward_fn
 from pipelines.driver import Driver
 from pipelines.events import EvaluationTask, TrainerRestored
 from pipelines.gate import VersionGate
+from pipelines.inputs import RunInputs
 from pipelines.orchestrator import Orchestrator
 from pipelines.reward_checks import RewardFailureError
 from pipelines.run import open_run
@@ -84,10 +85,10 @@ def test_the_trainer_killed_idle_in_an_update_and_at_a_checkpoint_the_run_goes_o
 @pytest.mark.slow
 @pytest.mark.parametrize("reward_fn", [  # a non-number is recorded like an exception (test_reward_row)
     "faulty_rewards.always_raises", pytest.param("faulty_rewards.returns_text", marks=pytest.mark.long)])
-def test_a_reward_that_always_fails_stops_the_run_with_its_error(small_config, reward_fn):
+def test_a_reward_that_always_fails_stops_the_run_with_its_error(small_config, shared_cluster, reward_fn):
     cfg = small_config(f"task.reward_fn={reward_fn}", "dora.num_updates=6", "task.reward_failure_stop_updates=2")
     with pytest.raises(RewardFailureError) as err:
-        run_pipeline(cfg)
+        run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     message = str(err.value)
     assert "every reward of the last 2 updates failed" in message and reward_fn in message
     assert ("KeyError" if "raises" in reward_fn else "non-number") in message
@@ -124,10 +125,11 @@ def test_resume_of_a_run_folder_that_is_not_a_run_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_start(small_config):
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_start(small_config, shared_cluster):
     cfg = small_config("dora.num_updates=2", "storage.checkpoint_interval=0", "task.eval_interval=1")
-    first = run_pipeline(cfg)
-    summary = resume_pipeline(cfg.storage.run_dir, ["dora.num_updates=3", "tracking.live_view=false"])
+    on_shared = RunInputs(client=shared_cluster(cfg))
+    first = run_pipeline(cfg, on_shared)
+    summary = resume_pipeline(cfg.storage.run_dir, ["dora.num_updates=3", "tracking.live_view=false"], on_shared)
     assert summary.audit_ok, summary.audit_text
     updates = TrajectoryStore.open(summary.store).read_table("updates")
     assert updates["update"].tolist() == [0, 1, 2]  # started again: the first attempt's two updates are gone

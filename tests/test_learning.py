@@ -176,15 +176,16 @@ def two_digit_countdowns(path) -> str:
 
 
 @pytest.mark.slow
-def test_reward_rises_over_a_short_pipeline_run_with_unit_ratios(small_config, tmp_path):
+def test_reward_rises_over_a_short_pipeline_run_with_unit_ratios(small_config, shared_cluster, tmp_path):
     from dora_tasks.warmstart import warm_start
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
     from storage.trajectory_store import TrajectoryStore
 
     model = warm_start(small_config(*WARM_START), str(tmp_path / "warm_start"))
     cfg = small_config(*WARM_START, *LEARNING_RUN, f"model.path={model}",
                        f"task.dataset={two_digit_countdowns(tmp_path / 'countdowns.jsonl')}")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     updates = TrajectoryStore.open(summary.store).read_table("updates")
     reward = updates["metrics/reward_mean"]
     assert len(reward) == cfg.dora.num_updates and np.isfinite(reward).all()

@@ -397,9 +397,10 @@ def test_unknown_target_modules_are_named(base):
 # ---- a run with adapters ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("K, M", [(0, 1), (1, 1), (3, 2)])
-def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_config, K, M):
+def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_config, shared_cluster, K, M):
     """M = rollout.versions_per_instance: at M = 2 one instance generates two versions at once, each group under its
     own adapter."""
+    from pipelines.inputs import RunInputs
     from pipelines.run import initial_policy
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
@@ -410,7 +411,7 @@ def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_con
         shared = ["rollout.instances=1", "rollout.slots=4", "dora.train_batch_size=2", "dora.num_updates=8"]
     cfg = small_config("train.lora.rank=8", "train.lora.alpha=16", f"dora.max_staleness={K}",
                        f"rollout.versions_per_instance={M}", *shared)
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     report = audit_store(summary.store, K)
     assert report.ok, report.to_text()
     assert report.max_versions_per_instance == M

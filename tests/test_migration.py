@@ -371,15 +371,16 @@ def move_a_running_group(d, forced: list) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("K", [1, 3])
-def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_logprobs(small_config, K):
+def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_logprobs(small_config, shared_cluster, K):
     from pipelines.events import ResponsesHandedOver
+    from pipelines.inputs import RunInputs
     from pipelines.run import open_run
     from pipelines.streaming import stream
     from storage.weight_store import WeightStore
 
     cfg = small_config(*MIGRATE_RUN, f"dora.max_staleness={K}")
     forced, answers = [], []
-    with open_run(cfg) as run:
+    with open_run(cfg, inputs=RunInputs(client=shared_cluster(cfg))) as run:
         run.driver.subscribe(lambda e: answers.append(e) if isinstance(e, (ResponsesHandedOver, Migrate)) else None)
         stream(run.driver, on_turn=lambda d: move_a_running_group(d, forced))
         summary = run.finish()

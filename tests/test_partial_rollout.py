@@ -380,8 +380,9 @@ def test_continuous_batching_logprobs_match_a_recompute_of_the_one_version(tmp_p
 
 
 @pytest.mark.slow
-def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none(small_config, tmp_path):
-    from pipelines.cluster import embedded_cluster
+def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none(small_config, shared_cluster,
+                                                                                 tmp_path):
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
 
@@ -394,20 +395,15 @@ def test_partial_rollout_run_finishes_with_c1_violations_and_normal_run_has_none
     N = 6
     settings = ["dora.max_staleness=1", f"dora.num_updates={N}", "rollout.chunk_tokens=8",
                 "rollout.temperature=2.0"]
-    cluster = embedded_cluster(small_config(*settings))
-    try:
-        c1 = {}
-        for name, partial in (("partial", "true"), ("normal", "false")):
-            cfg = small_config(*settings, f"rollout.partial_rollout={partial}",
-                               f"cluster.scheduler_address={cluster.scheduler_address}",
-                               f"storage.run_dir={tmp_path / name}",
-                               f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
-            summary = run_pipeline(cfg)
-            report = audit_store(summary.store, cfg.dora.max_staleness)
-            assert report.counts["updates"] == N and report.counts["consumed_groups"] == 4 * N
-            assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
-            c1[name] = report.count("token_version_mismatch")
-            assert summary.audit_ok == (c1[name] == 0)
-    finally:
-        cluster.close()
+    on_shared = RunInputs(client=shared_cluster(small_config(*settings)))
+    c1 = {}
+    for name, partial in (("partial", "true"), ("normal", "false")):
+        cfg = small_config(*settings, f"rollout.partial_rollout={partial}", f"storage.run_dir={tmp_path / name}",
+                           f"tracking.mlflow_uri=sqlite:///{tmp_path}/{name}.db")
+        summary = run_pipeline(cfg, on_shared)
+        report = audit_store(summary.store, cfg.dora.max_staleness)
+        assert report.counts["updates"] == N and report.counts["consumed_groups"] == 4 * N
+        assert not [v for v in report.violations if v.clause != "C1"], report.to_text()
+        c1[name] = report.count("token_version_mismatch")
+        assert summary.audit_ok == (c1[name] == 0)
     assert c1["partial"] > 0 and c1["normal"] == 0, c1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipelines.inputs import RunInputs
 from pipelines.streaming import run_pipeline
 from storage.audit import audit_store
 from storage.trajectory_store import TrajectoryStore
@@ -26,9 +27,9 @@ CONSTRAINT_RUN = ["dora.train_batch_size=8", "dora.rollout_batch_size=16", "dora
 
 @pytest.mark.slow
 @pytest.mark.parametrize("K", [0, pytest.param(1, marks=pytest.mark.long), 3])  # K=1: the LoRA and migration runs
-def test_streaming_run_keeps_all_three_constraints(small_config, K):
+def test_streaming_run_keeps_all_three_constraints(small_config, shared_cluster, K):
     cfg = small_config(*CONSTRAINT_RUN, f"dora.max_staleness={K}")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     report = audit_store(summary.store, K)
     assert report.ok, report.to_text()
     assert summary.audit_ok
@@ -94,23 +95,26 @@ def groups_started_behind_an_older_version(summary) -> int:
 
 
 @pytest.mark.slow
-def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constraints(small_config, tmp_path):
+def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constraints(small_config, shared_cluster,
+                                                                                    tmp_path):
     """`rollout.switching=queue`: new groups reach an instance still finishing an older version (never with the
     default switching), and the audit still finds every token of a trajectory from its own version (C1), every
     group trained once (C2) and staleness <= K (C3)."""
     common = [*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=4"]
-    queued = run_pipeline(small_config(*common, "rollout.switching=queue"))
+    cfg = small_config(*common, "rollout.switching=queue")
+    on_shared = RunInputs(client=shared_cluster(cfg))
+    queued = run_pipeline(cfg, on_shared)
     report = audit_store(queued.store, 3)
     assert report.ok, report.to_text()
     assert len(consumed_table(queued)["group_id"]) == 4 * 8 * 16
     assert groups_started_behind_an_older_version(queued) > 0
-    default = run_pipeline(small_config(*common, f"storage.run_dir={tmp_path / 'default'}"))
+    default = run_pipeline(small_config(*common, f"storage.run_dir={tmp_path / 'default'}"), on_shared)
     assert audit_store(default.store, 3).ok
     assert groups_started_behind_an_older_version(default) == 0
 
 
 @pytest.mark.slow
-def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_task(small_config):
+def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_task(small_config, shared_cluster):
     """Groups of one instance that end in the same decode step are scored together (one reward and one advantage task
     for several groups), and every group still reaches exactly one update with its own advantages (audit: C1-C3)."""
     from pipelines.run import open_run
@@ -125,7 +129,7 @@ def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_
         if isinstance(event, ScoringSubmitted):
             batch_sizes.append(len(event.group_ids))
 
-    with open_run(cfg) as run:
+    with open_run(cfg, inputs=RunInputs(client=shared_cluster(cfg))) as run:
         run.driver.subscribe(note_scoring_batches)
         stream(run.driver)
         summary = run.finish()

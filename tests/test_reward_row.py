@@ -250,7 +250,9 @@ def test_reasoning_gym_reward_names_a_row_without_its_task(rg):
 
 @pytest.mark.slow
 def test_a_run_on_mixed_reasoning_gym_tasks_from_jsonl_scores_every_response_like_reasoning_gym(rg, small_config,
+                                                                                                  shared_cluster,
                                                                                                   tmp_path):
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
     from storage.audit import audit_store
     from storage.trajectory_store import TrajectoryStore
@@ -261,7 +263,7 @@ def test_a_run_on_mixed_reasoning_gym_tasks_from_jsonl_scores_every_response_lik
                        "task.answer_key=answer", f"task.reward_fn={RG_REWARD}", "task.eval_prompts=4",
                        "model.warmstart_steps=30", "rollout.instances=1", "rollout.max_new_tokens=24",
                        "dora.num_updates=3")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     report = audit_store(summary.store, cfg.dora.max_staleness)
     assert report.ok and summary.audit_ok, report.to_text()
     assert sum(report.reward_errors.values()) == 0, report.reward_errors

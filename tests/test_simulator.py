@@ -3,6 +3,7 @@ reference, and the simulated modes' guarantees (C1-C3) with the real VersionGate
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -114,6 +115,43 @@ def test_analytic_engine_equals_step_by_step_reference_with_preemption():
     assert ends.keys() == expected.keys()
     for key, t in expected.items():
         assert ends[key] == pytest.approx(t, rel=1e-9), key
+
+
+def recounted_held_tokens(engine: Engine) -> dict[int, int]:
+    held: dict[int, int] = {}
+    for seq in engine.running.values():
+        held[seq.group] = held.get(seq.group, 0) + seq.prompt + engine.tokens_of(seq)
+    for seq in engine.waiting:
+        held[seq.group] = held.get(seq.group, 0) + seq.prompt + seq.tokens
+    return held
+
+
+def test_held_token_totals_equal_a_recount_through_submits_takes_preemptions_and_reprefills():
+    rng = random.Random(7)
+    engine, other = Engine("e", COST, 16), Engine("f", COST, 16)
+    engine.capacity, engine.watermark = 9_000, 90  # small: rows are preempted
+    engine.load(0, 0.0)
+    other.load(0, 0.0)
+    now, next_group = 0.0, 0
+    for _ in range(300):
+        now += rng.uniform(0.0, 0.3)
+        engine.sync(now)
+        other.sync(now)
+        action = rng.random()
+        if action < 0.4:
+            engine.submit([Seq(next_group, s, rng.randint(20, 400), rng.randint(1, 2000)) for s in range(4)])
+            next_group += 1
+        elif action < 0.7 and engine.held_tokens():
+            other.submit(engine.take(rng.choice(sorted(engine.held_tokens()))), migrated=True)
+        elif action < 0.75:
+            engine.reprefill(1)
+        assert engine.held_tokens() == recounted_held_tokens(engine)
+        assert other.held_tokens() == recounted_held_tokens(other)
+
+
+def test_migrating_run_keeps_the_orchestrators_running_totals():
+    sim, _ = run("dora", switching="migrate", max_rows=16)  # check=True: validate() recounts them every turn
+    assert sim.record.migrations[0] > 0
 
 
 # ---- simulated runs ------------------------------------------------------------------------------------------------

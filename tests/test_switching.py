@@ -57,14 +57,14 @@ class Ledger:
 
 
 def drive(strategy: str, seed: int, K: int = 3, tbs: int = 3, rbs: int = 8, updates: int = 6, instances: int = 4,
-          slots: int = 2, group_size: int = 4, kill_rate: float = 0.0, kv_budget: int = 0):
+          slots: int = 2, group_size: int = 4, kill_rate: float = 0.0, kv_budget: int = 0, batch_rows: int = 0):
     rng = random.Random(seed)
     gate = VersionGate(K, tbs)
     orch = Orchestrator(rbs, updates * tbs, switching=switching_named(strategy), group_size=group_size)
     ledger = Ledger(group_size, orch.switching.versions_per_instance)
     names = iter(f"w{i:03d}" for i in range(10_000))
     for _ in range(instances):
-        orch.add_instance(next(names), slots, kv_budget)
+        orch.add_instance(next(names), slots, kv_budget, batch_rows)
     migrations, steps = [], 0
     while gate.next_update < updates:
         steps += 1
@@ -78,7 +78,7 @@ def drive(strategy: str, seed: int, K: int = 3, tbs: int = 3, rbs: int = 8, upda
         assert set(orch.running) == set(ledger.where)
         assert all(orch.running[g][1] == w for g, w in ledger.where.items())
         assert all(orch.unfinished[g] == left for g, left in ledger.left.items())
-        _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, names)
+        _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, batch_rows, names)
         while gate.decide() is not None:
             pass
         if gate.running is not None and (not ledger.where or rng.random() < 0.3):
@@ -87,13 +87,13 @@ def drive(strategy: str, seed: int, K: int = 3, tbs: int = 3, rbs: int = 8, upda
     return gate, orch, migrations
 
 
-def _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, names) -> None:
+def _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, batch_rows, names) -> None:
     running = sorted(ledger.where)
     choice = rng.random()
     if kill_rate and choice < kill_rate and orch.instances:
         dead = rng.choice(sorted(orch.instances))
         assert orch.remove_instance(dead) == ledger.lose(dead)
-        orch.add_instance(next(names), slots, kv_budget)
+        orch.add_instance(next(names), slots, kv_budget, batch_rows)
     elif running and choice < 0.8:
         g = rng.choice(running)
         left = sorted(ledger.left[g])
@@ -111,38 +111,64 @@ def _random_event(rng, orch, gate, ledger, kill_rate, slots, kv_budget, names) -
 @settings(max_examples=80, deadline=None)
 @given(strategy=st.sampled_from(["drain", "queue", "migrate"]), seed=st.integers(0, 10_000), K=st.integers(0, 4),
        tbs=st.integers(1, 4), extra=st.integers(0, 6), instances=st.integers(1, 5), slots=st.integers(1, 3),
-       group_size=st.integers(1, 4), kill=st.sampled_from([0.0, 0.05]), kv=st.sampled_from([0, 120]))
+       group_size=st.integers(1, 4), kill=st.sampled_from([0.0, 0.05]), kv=st.sampled_from([0, 120]),
+       batch=st.sampled_from([0, 1, 4]))
 def test_random_event_orders_keep_every_request_on_one_instance_of_its_own_version(
-        strategy, seed, K, tbs, extra, instances, slots, group_size, kill, kv):
-    gate, orch, migrations = drive(strategy, seed, K, tbs, tbs + extra, 5, instances, slots, group_size, kill, kv)
+        strategy, seed, K, tbs, extra, instances, slots, group_size, kill, kv, batch):
+    gate, orch, migrations = drive(strategy, seed, K, tbs, tbs + extra, 5, instances, slots, group_size, kill, kv,
+                                   batch)
     assert len(gate.consumed) == 5 * tbs and not gate.unconsumed  # C2: every group trained once, none left behind
     assert strategy == "migrate" or not migrations
 
 
 def test_migration_happens_when_an_older_version_holds_more_instances_than_its_remaining_work():
-    _, _, migrations = drive("migrate", seed=3, K=3, instances=4, slots=2, group_size=4, updates=8)
-    assert migrations  # the random workload leaves stragglers on several instances of older versions
+    _, _, migrations = drive("migrate", seed=3, K=3, instances=4, slots=2, group_size=4, updates=8, batch_rows=4)
+    assert migrations  # stragglers on several instances of older versions, newest groups queued beyond batches
 
 
-def test_a_straggler_moves_to_the_other_instance_of_its_version_and_its_instance_loads_the_newest():
-    orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=4)
-    orch.add_instance("a", 1)
-    orch.add_instance("b", 1)
+def two_stragglers(group_size: int, kv_budget: int = 0) -> Orchestrator:
+    """Instances a and b, one slot each, start groups 0 and 1 on version 0, which then keep 1 request (a) and half
+    of theirs (b); version 1 is published."""
+    orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=group_size)
+    orch.add_instance("a", 1, kv_budget)
+    orch.add_instance("b", 1, kv_budget)
     first = orch.decide(capacity=2)
     assert [a for a in first if isinstance(a, Start)] == [Start("a", 0, 0, True), Start("b", 1, 0, True)]
-    for sample in (0, 1, 2):  # group 0 has one request left, group 1 two
+    for sample in range(group_size - 1):
         orch.on_request_done(0, sample)
-    for sample in (0, 1):
+    for sample in range(group_size // 2):
         orch.on_request_done(1, sample)
     orch.on_publish(1)
-    actions = orch.decide(capacity=4)
+    return orch
+
+
+def newest_backlog(orch: Orchestrator, capacity: int) -> list:
+    """Instance z joins, takes the newest version and queues groups beyond its batch (one group's rows): the first
+    decodes (it holds KV tokens), the others wait."""
+    orch.add_instance("z", 2, batch_rows=orch.group_size)
+    actions = orch.decide(capacity)
+    orch.on_progress(min(orch.instances["z"].running), 100)
+    assert orch.queued_rows(orch.instances["z"]) > 0 and not [a for a in actions if isinstance(a, Migrate)]
+    return actions
+
+
+def test_a_straggler_moves_to_the_other_instance_of_its_version_and_its_instance_takes_the_newest_backlog():
+    orch = two_stragglers(group_size=4)
+    assert newest_backlog(orch, capacity=4)[0] == Load("z", 1)  # no peer holds version 1 yet: from the store
+    actions = orch.decide(capacity=0)
     assert actions[0] == Migrate(0, (3,), 0, "a", "b")  # fewest remaining leaves; b has room for it
-    assert actions[1] == Load("a", 1)  # no peer holds version 1 yet: from the store
-    assert actions[2] == Start("a", 2, 1, True)
+    assert actions[1] == Load("a", 1, source="z")  # from the peer that holds it
+    assert actions[2] == Migrate(3, (0, 1, 2, 3), 1, "z", "a")  # a queued group of z's moves to a's free batch
     orch.validate()
-    orch.on_group_done(0)
-    orch.on_group_done(1)
-    assert orch.decide(capacity=4)[0] == Load("b", 1, source="a")  # from the peer that holds it
+
+
+def test_a_leaver_drains_while_no_request_of_the_newest_version_waits_for_a_batch_row():
+    orch = two_stragglers(group_size=4)
+    actions = orch.decide(capacity=4)  # new groups may start, but none waits: a would idle, its straggler slow b
+    assert not [a for a in actions if isinstance(a, Migrate)]
+    assert orch.instances["a"].running == {0} and orch.instances["b"].running == {1}
+    newest_backlog(orch, capacity=4)
+    assert [a for a in orch.decide(capacity=0) if isinstance(a, Migrate)][0] == Migrate(0, (3,), 0, "a", "b")
 
 
 def test_a_leaver_whose_requests_fit_nowhere_drains_instead():
@@ -152,21 +178,17 @@ def test_a_leaver_whose_requests_fit_nowhere_drains_instead():
     orch.decide(capacity=2)
     orch.on_request_done(1, 0)  # b has 1 free row, a's group needs 4
     orch.on_publish(1)
-    assert not [a for a in orch.decide(capacity=4) if isinstance(a, Migrate)]
+    newest_backlog(orch, capacity=4)
+    assert not [a for a in orch.decide(capacity=0) if isinstance(a, Migrate)]
 
 
 def test_the_kv_budget_of_the_receiving_instance_is_respected():
     def straggler_case(b_tokens: int) -> list:
-        orch = Orchestrator(rollout_batch_size=4, group_budget=100, switching=Migrating(), group_size=2)
-        orch.add_instance("a", 1, kv_budget=1000)
-        orch.add_instance("b", 1, kv_budget=1000)
-        orch.decide(capacity=2)
-        orch.on_request_done(0, 0)
-        orch.on_request_done(1, 0)
+        orch = two_stragglers(group_size=2, kv_budget=1000)  # a and b each keep one request
         orch.on_progress(0, 400)  # a's straggler holds 400 KV tokens
         orch.on_progress(1, b_tokens)
-        orch.on_publish(1)
-        return [a for a in orch.decide(capacity=4) if isinstance(a, Migrate)]
+        newest_backlog(orch, capacity=4)
+        return [a for a in orch.decide(capacity=0) if isinstance(a, Migrate) and a.version == 0]
 
     assert straggler_case(b_tokens=500) == [Migrate(0, (1,), 0, "a", "b")]  # 500 + 400 fit in 1000
     assert straggler_case(b_tokens=700) == []  # 700 + 400 would not: a drains instead

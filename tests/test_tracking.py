@@ -208,14 +208,15 @@ def test_null_tracker_has_the_same_interface():
 
 
 @pytest.mark.slow
-def test_a_real_run_is_tracked_in_a_real_mlflow_server(mlflow_server, small_config):
+def test_a_real_run_is_tracked_in_a_real_mlflow_server(mlflow_server, small_config, shared_cluster):
     """A short pipeline run against `mlflow server` on 127.0.0.1, read back with MLflow's client."""
     from mlflow.tracking import MlflowClient
 
+    from pipelines.inputs import RunInputs
     from pipelines.streaming import run_pipeline
 
     cfg = small_config(f"tracking.mlflow_uri={mlflow_server}", "tracking.plots=true", "dora.num_updates=3")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     client = MlflowClient(tracking_uri=mlflow_server)
     run = client.get_run(summary.mlflow_run_id)
     assert run.data.params == {k: str(v) for k, v in cfg.flat().items()}

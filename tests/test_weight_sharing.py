@@ -16,6 +16,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from dora_tasks import steps
+from pipelines.inputs import RunInputs
 from pipelines.streaming import run_pipeline
 from storage.trajectory_store import TrajectoryStore
 from storage.weight_store import WeightStore
@@ -66,9 +67,9 @@ def test_a_version_is_copied_from_a_peer_and_read_again_only_when_every_holder_i
 
 
 @pytest.mark.slow
-def test_every_instance_receives_each_version_it_generates_on_from_the_cluster(small_config):
+def test_every_instance_receives_each_version_it_generates_on_from_the_cluster(small_config, shared_cluster):
     cfg = small_config("dora.max_staleness=1", "dora.num_updates=4")
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, RunInputs(client=shared_cluster(cfg)))
     assert summary.audit_ok, summary.audit_text
     store = TrajectoryStore.open(summary.store)
     t, updates = store.read_table("trajectories"), store.read_table("updates")

@@ -126,11 +126,15 @@ class CostModel:
     # ---- training and weights ----------------------------------------------------------------------------------------
     def train_s(self, lengths: Iterable[int], gpus: int) -> float:
         """One update over sequences of these lengths (prompt + response) on `gpus` accelerators."""
-        m = self.model
         total = square = 0
         for n in lengths:
             total += n
             square += n * n
+        return self.train_s_of_sums(total, square, gpus)
+
+    def train_s_of_sums(self, total: int, square: int, gpus: int) -> float:
+        """`train_s` of sequences whose lengths sum to `total` and whose squared lengths sum to `square`."""
+        m = self.model
         flops = self.train_flops_factor * (m.params * total + m.layers * m.attention_width * square)
         return flops / (gpus * self.accelerator.peak_flops * self.train_mfu)
 

@@ -26,18 +26,30 @@ class LengthModel:
     seed: int = 0
 
     def prompt_factor(self, prompt_id: int) -> float:
-        z = np.random.default_rng([self.seed, 1, prompt_id]).standard_normal(2)
-        return float(z[0])
+        return float(self._prompt_draw(prompt_id)[0])
 
     def prompt_tokens(self, prompt_id: int) -> int:
-        z = np.random.default_rng([self.seed, 1, prompt_id]).standard_normal(2)[1]
-        return int(min(self.prompt_cap, max(16, round(self.prompt_p50 * math.exp(self.prompt_log_sd * z)))))
+        return self._prompt_length(self._prompt_draw(prompt_id)[1])
 
     def response_tokens(self, prompt_id: int, sample: int) -> int:
         """Tokens of response `sample` to prompt `prompt_id`; `cap` means it was cut unfinished."""
-        z = np.random.default_rng([self.seed, 2, prompt_id, sample]).standard_normal()
-        log_len = math.log(self.response_p50) + self.prompt_sigma * self.prompt_factor(prompt_id) \
-            + self.sample_sigma * float(z)
+        return self._response_length(self.prompt_factor(prompt_id), prompt_id, sample)
+
+    def group(self, prompt_id: int, samples: int) -> tuple[int, tuple[int, ...]]:
+        """(prompt_tokens, response_tokens of samples 0..samples-1) of one prompt, drawing its prompt part once."""
+        z = self._prompt_draw(prompt_id)
+        factor = float(z[0])
+        return self._prompt_length(z[1]), tuple(self._response_length(factor, prompt_id, s) for s in range(samples))
+
+    def _prompt_draw(self, prompt_id: int):
+        return np.random.Generator(np.random.PCG64([self.seed, 1, prompt_id])).standard_normal(2)
+
+    def _prompt_length(self, z) -> int:
+        return int(min(self.prompt_cap, max(16, round(self.prompt_p50 * math.exp(self.prompt_log_sd * z)))))
+
+    def _response_length(self, factor: float, prompt_id: int, sample: int) -> int:
+        z = np.random.Generator(np.random.PCG64([self.seed, 2, prompt_id, sample])).standard_normal()
+        log_len = math.log(self.response_p50) + self.prompt_sigma * factor + self.sample_sigma * float(z)
         return int(min(self.cap, max(1, round(math.exp(log_len)))))
 
     @property

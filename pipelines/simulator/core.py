@@ -30,11 +30,35 @@ from pipelines.switching import switching_named
 INF = math.inf
 
 
-def step_stats(lengths: LengthModel, prompts: int, group_size: int) -> StepStats:
+def step_stats(lengths: "GroupLengths", prompts: int) -> StepStats:
     """The first step's prompts, as the split rule sees them."""
-    ids = [(p, s) for p in range(prompts) for s in range(group_size)]
-    return StepStats(tuple(lengths.prompt_tokens(p) for p, _ in ids),
-                     tuple(lengths.response_tokens(p, s) for p, s in ids))
+    groups = [lengths(p) for p in range(prompts)]
+    return StepStats(tuple(prompt for prompt, responses in groups for _ in responses),
+                     tuple(r for _, responses in groups for r in responses))
+
+
+class GroupLengths:
+    """(prompt tokens, response tokens of each sample) of a group, drawn once from the length model: every
+    simulation of one workload (sync and DORA side by side, the searched split's short runs) shares them."""
+
+    _shared: dict[tuple, "GroupLengths"] = {}
+
+    def __init__(self, lengths: LengthModel, group_size: int):
+        self.lengths, self.group_size = lengths, group_size
+        self.drawn: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    @classmethod
+    def of(cls, lengths: LengthModel, group_size: int) -> "GroupLengths":
+        key = (lengths, group_size)
+        if key not in cls._shared:
+            cls._shared.clear()  # one workload at a time: a sweep moves on to the next and never comes back
+            cls._shared[key] = cls(lengths, group_size)
+        return cls._shared[key]
+
+    def __call__(self, group_id: int) -> tuple[int, tuple[int, ...]]:
+        if group_id not in self.drawn:
+            self.drawn[group_id] = self.lengths.group(group_id, self.group_size)
+        return self.drawn[group_id]
 
 
 def short_run(cfg: SimConfig, cost, lengths: LengthModel):
@@ -51,7 +75,8 @@ class Simulation:
         self.cfg, self.cost, self.lengths = cfg.validate(), cost, lengths
         self.mode = mode_named(cfg.mode, cfg.max_staleness)
         self.tbs, rbs = self.mode.batches(cfg)
-        self.split = self.mode.split(cfg, cost, step_stats(lengths, cfg.prompts_per_step, cfg.group_size),
+        self.group_lengths = GroupLengths.of(lengths, cfg.group_size)
+        self.split = self.mode.split(cfg, cost, step_stats(self.group_lengths, cfg.prompts_per_step),
                                      short_run(cfg, cost, lengths))
         instances = self.split.rollout_gpus // cost.tp
         if cfg.versions_per_instance > 1 and cost.lora_rank <= 0:
@@ -118,10 +143,12 @@ class Simulation:
         return done
 
     def _decide(self) -> None:
-        if self.cfg.switching == "migrate":  # where a migrated group's cache fits
+        if self.cfg.switching == "migrate":  # where a migrated group's cache fits (an engine unchanged holds as before)
             for engine in self.engines.values():
-                for group, tokens in engine.held_tokens().items():
-                    self.orchestrator.on_progress(group, tokens)
+                if engine.held_changed:
+                    engine.held_changed = False
+                    for group, tokens in engine.held_tokens().items():
+                        self.orchestrator.on_progress(group, tokens)
         for action in self.orchestrator.decide(self.mode.capacity(self)):
             self._act(action)
         if self.training is None and len(self.gate.complete) >= self.tbs:
@@ -154,10 +181,9 @@ class Simulation:
         self.ended += engine.sync(self.now)
 
     def _group(self, group_id: int, version: int) -> list[Seq]:
-        prompt = self.lengths.prompt_tokens(group_id)
+        prompt, responses = self.group_lengths(group_id)
         own = version if self.cfg.versions_per_instance > 1 else None  # else decoded on the engine's version
-        seqs = [Seq(group_id, s, prompt, self.lengths.response_tokens(group_id, s), version=own)
-                for s in range(self.cfg.group_size)]
+        seqs = [Seq(group_id, s, prompt, target, version=own) for s, target in enumerate(responses)]
         self.groups[group_id] = seqs
         self.left[group_id] = len(seqs)
         return seqs

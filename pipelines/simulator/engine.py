@@ -72,6 +72,12 @@ class Engine:
         self.usage = Usage()
         self._next_key = 0
         self.next_change = INF
+        # held tokens per group, kept as rows come and go: running rows hold base + rows * step, waiting ones a sum
+        self._held_base: Counter = Counter()  # group -> sum of prompt + tokens - joined over its running rows
+        self._held_rows: Counter = Counter()  # group -> its running rows
+        self._held_waiting: Counter = Counter()  # group -> sum of prompt + tokens over its waiting rows
+        self._waiting_rows: Counter = Counter()
+        self.held_changed = True  # `held_tokens` may differ from when this was last cleared
 
     # ---- queries ----------------------------------------------------------------------------------------------------
     @property
@@ -88,12 +94,26 @@ class Engine:
 
     def held_tokens(self) -> dict[int, int]:
         """Group -> KV tokens its unfinished sequences here hold or will hold (prompt and tokens so far)."""
-        held: dict[int, int] = {}
-        for seq in self.running.values():
-            held[seq.group] = held.get(seq.group, 0) + seq.prompt + self.tokens_of(seq)
-        for seq in self.waiting:
-            held[seq.group] = held.get(seq.group, 0) + seq.prompt + seq.tokens
+        held = {g: base + self._held_rows[g] * self.step for g, base in self._held_base.items()}
+        for g, tokens in self._held_waiting.items():
+            held[g] = held.get(g, 0) + tokens
         return held
+
+    def _hold(self, seq: Seq, rows: int) -> None:
+        """Count a running row in (`rows` 1) or out (-1) of the held tokens, as of its `tokens` and `joined`."""
+        self._tally(self._held_base, self._held_rows, seq.group, rows * (seq.prompt + seq.tokens - seq.joined), rows)
+
+    def _hold_waiting(self, seqs, rows: int) -> None:
+        for seq in seqs:
+            self._tally(self._held_waiting, self._waiting_rows, seq.group, rows * (seq.prompt + seq.tokens), rows)
+
+    def _tally(self, sums: Counter, counts: Counter, group: int, tokens: int, rows: int) -> None:
+        self.held_changed = True
+        counts[group] += rows
+        if counts[group]:
+            sums[group] += tokens
+        else:
+            del counts[group], sums[group]
 
     def _refresh(self) -> None:
         """Time of the next internal batch change (a row ends, the cache fills, a busy stretch ends, admission)."""
@@ -178,6 +198,7 @@ class Engine:
         self.usage.decode += seconds
         self.context += len(self.running) * steps
         self.step += steps
+        self.held_changed = self.held_changed or bool(steps and self.running)
 
     def _admit(self) -> None:
         """Admit every waiting sequence that fits; the next step pays for their prefill (or cache copy)."""
@@ -185,6 +206,7 @@ class Engine:
         rows, context = len(self.running), self.context
         while self.waiting and self._admissible(self.waiting[0]):
             seq = self.waiting.popleft()
+            self._hold_waiting((seq,), -1)
             held = seq.prompt + seq.tokens
             copied += held if seq.migrated else 0
             tokens += 0 if seq.migrated else held
@@ -192,6 +214,7 @@ class Engine:
             key, self._next_key = self._next_key, self._next_key + 1
             seq.joined = self.step
             self.running[key] = seq
+            self._hold(seq, 1)
             self.context += held
             heapq.heappush(self.finish, (self.step + seq.target - seq.tokens, key))
             self._on_version(seq)
@@ -209,6 +232,7 @@ class Engine:
 
     def _drop(self, key: int) -> Seq:
         seq = self.running.pop(key)
+        self._hold(seq, -1)
         version = seq.versions[-1][0]
         self.row_versions[version] -= 1
         if not self.row_versions[version]:
@@ -221,16 +245,22 @@ class Engine:
 
     def _preempt(self) -> None:
         key = next(reversed(self.running))
-        self.waiting.appendleft(self._drop(key))
+        self._queue_first([self._drop(key)])
+
+    def _queue_first(self, seqs: list[Seq]) -> None:
+        """Put `seqs` at the head of the queue, in their order."""
+        self.waiting.extendleft(reversed(seqs))
+        self._hold_waiting(seqs, 1)
 
     # ---- changes from outside ---------------------------------------------------------------------------------------
     def submit(self, seqs: list[Seq], migrated: bool = False) -> None:
         """Queue sequences (call `sync(now)` first); migrated ones go first, those that were running with their
         caches copied, not prefilled (`take` marks them)."""
         if migrated:
-            self.waiting.extendleft(reversed(seqs))
+            self._queue_first(seqs)
         else:
             self.waiting.extend(seqs)
+            self._hold_waiting(seqs, 1)
         self._refresh()
 
     def take(self, group: int) -> list[Seq]:
@@ -239,8 +269,11 @@ class Engine:
         moved = [self._drop(k) for k in keys]
         for seq in moved:
             seq.migrated = True  # its cache goes with it
-        moved += [s for s in self.waiting if s.group == group]  # queued: no cache, prefilled where it lands
-        self.waiting = deque(s for s in self.waiting if s.group != group)
+        queued = [s for s in self.waiting if s.group == group]  # queued: no cache, prefilled where it lands
+        if queued:
+            self._hold_waiting(queued, -1)
+            self.waiting = deque(s for s in self.waiting if s.group != group)
+        moved += queued
         self._refresh()
         return moved
 
@@ -251,8 +284,7 @@ class Engine:
 
     def reprefill(self, version: int) -> None:
         """Partial rollout: the running rows continue on `version`, their caches re-encoded under it (on admission)."""
-        for key in reversed(list(self.running)):  # back to the head of the queue, in admission order
-            self.waiting.appendleft(self._drop(key))
+        self._queue_first([self._drop(key) for key in list(self.running)])  # back to the head, in admission order
         self.finish = []
         self.version = version
         self._refresh()

@@ -67,21 +67,40 @@ class StepStats:
 
 def rollout_seconds(cost, stats: StepStats, instances: int, max_rows: int) -> float:
     """A step's rollout at the steady token rate of full batches (no long-tail bubble): the split rule's estimate."""
-    ctx = stats.mean_context
-    rows = max(1, min(max_rows, int(cost.kv_capacity_tokens() // ctx)))
-    rate = instances * rows / cost.decode_step_s(rows, int(rows * ctx))
-    prefill = sum(cost.prefill_s(p) for p in stats.prompt_lengths) / instances
-    return sum(stats.response_lengths) / rate + prefill
+    return RolloutTerms.of(cost, stats, max_rows).seconds(instances)
+
+
+@dataclass(frozen=True)
+class RolloutTerms:
+    """What `rollout_seconds` needs of a step, summed once: a split's instance count then costs two divisions."""
+
+    rows: int  # rows of a full batch
+    step_s: float  # one decode step of a full batch
+    response_tokens: int
+    prefill_s: float  # every prompt's prefill, on one instance
+
+    @classmethod
+    def of(cls, cost, stats: StepStats, max_rows: int) -> "RolloutTerms":
+        ctx = stats.mean_context
+        rows = max(1, min(max_rows, int(cost.kv_capacity_tokens() // ctx)))
+        return cls(rows, cost.decode_step_s(rows, int(rows * ctx)), sum(stats.response_lengths),
+                   sum(cost.prefill_s(p) for p in stats.prompt_lengths))
+
+    def seconds(self, instances: int) -> float:
+        rate = instances * self.rows / self.step_s
+        return self.response_tokens / rate + self.prefill_s / instances
 
 
 def balanced_split(gpus: int, cost, stats: StepStats, max_rows: int) -> Split:
     """The split with the best predicted step time, max(rollout at the steady rate, training): the rollout side in
     whole instances of `tp` accelerators; ties go to the larger rollout side."""
     best = None
+    rollout_terms = RolloutTerms.of(cost, stats, max_rows)
+    lengths = stats.sequence_lengths
+    total, square = sum(lengths), sum(n * n for n in lengths)
     for rollout in range(cost.tp, gpus, cost.tp):
         trainer = gpus - rollout
-        step = max(rollout_seconds(cost, stats, rollout // cost.tp, max_rows),
-                   cost.train_s(stats.sequence_lengths, trainer))
+        step = max(rollout_terms.seconds(rollout // cost.tp), cost.train_s_of_sums(total, square, trainer))
         if best is None or step <= best.predicted_step_s:
             best = Split(rollout, trainer, step)
     if best is None:
@@ -191,6 +210,7 @@ def retarget_all(orchestrator, version: int) -> None:
         inst.version = version
     for group_id, (_, address) in list(orchestrator.running.items()):
         orchestrator.running[group_id] = (version, address)
+    orchestrator.recount()
 
 
 MODES = ("sync", "one-step", "one-step-streaming", "partial", "dora")
