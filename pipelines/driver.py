@@ -59,6 +59,7 @@ LIVE_WINDOW_TURNS = 50  # the `live_versions` metric: most versions live at once
 SEED_STRIDE = 1_000_003  # a prime: the seeds of two runs' groups do not collide
 ATTEMPT_SEEDS = 31  # seeds per group: its attempts take consecutive ones
 POLL_S = 1.0  # a blocking wait looks at the cluster again this often (a paused worker, a lost trainer)
+DONE_POLL_S = 0.02  # how often a start-up wait looks at its futures
 
 
 class RunError(RuntimeError):
@@ -206,6 +207,19 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         self.tracked[future] = task
         future.add_done_callback(self._finished.put)
         return future
+
+    def wait_done(self, futures: list[Future]) -> None:
+        """Wait until every future ended (raising the first failure), checking the workers every `POLL_S` (a paused
+        engine never starts). Polled, not `result(timeout=...)`: distributed's sync can lose a result that arrives as
+        its timeout fires."""
+        checked = time.monotonic()
+        while not all(f.done() for f in futures):
+            time.sleep(DONE_POLL_S)
+            if time.monotonic() - checked >= POLL_S:
+                self.check_workers()
+                checked = time.monotonic()
+        for f in futures:
+            f.result()
 
     def wait_any(self, timeout_s: float) -> list[Future]:
         """The tracked futures that finished since the last call, after waiting up to `timeout_s` for the first."""
@@ -445,13 +459,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
                                      resources=TRAINER, pure=False)
         if v not in self.accuracy and self.evaluation_due(v):
             self.submit_evaluation(v)
-        for f in futures + [trainer]:
-            while True:
-                try:
-                    f.result(timeout=POLL_S)
-                    break
-                except TimeoutError:
-                    self.check_workers()  # a paused engine never starts
+        self.wait_done(futures + [trainer])
         self.trainer = self.client.who_has(trainer)[trainer.key][0]
         for address in self.orchestrator.instances:
             self.shared.on_loaded(address, v)  # loaded from the store by the warm-up
