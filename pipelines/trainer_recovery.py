@@ -26,8 +26,8 @@ RESTORE_TIMEOUT_S = 600.0  # a new engine on a restarted trainer (DeepSpeed's fi
 
 
 def loss_reason(exc: BaseException) -> str:
-    """The exception's type, with the scheduler's reason for a cancellation (e.g. "already forgotten": the batch the
-    update needed was lost with the worker that held it)."""
+    """The exception's type, with the scheduler's reason for a cancellation (e.g. "already forgotten": an input the
+    update needed, such as its scattered batch, was dropped)."""
     reason = getattr(exc, "reason", None)
     return f"{type(exc).__name__} ({reason})" if reason else type(exc).__name__
 
