@@ -108,7 +108,7 @@ class Orchestrator:
     # running totals per instance address, kept with every change so that a decision need not sum over its groups
     rows_used: dict[str, int] = field(default_factory=dict)  # unfinished requests of its running groups
     kv_held: dict[str, int] = field(default_factory=dict)  # KV tokens (`tokens`) of its running groups
-    # and per version: running groups and their unfinished requests (`recount` after changing `running` directly)
+    # and per version: running groups and their unfinished requests (`relabel` rebuilds them)
     groups_of_version: Counter = field(default_factory=Counter)
     rows_of_version: Counter = field(default_factory=Counter)
     _versions_held: Counter | None = field(default=None, init=False, repr=False, compare=False)  # within `decide`
@@ -169,8 +169,17 @@ class Orchestrator:
         self.rows_of_version[version] -= rows
         return version, address
 
-    def recount(self) -> None:
-        """Rebuild the per-version totals after a caller changed the versions in `running` directly."""
+    def relabel(self, version: int) -> None:
+        """Every instance and every running group is on `version` from now on (a baseline that re-prefills its
+        running requests under each new version, as partial rollout does)."""
+        for inst in self.instances.values():
+            inst.version = version
+        for group_id, (_, address) in list(self.running.items()):
+            self.running[group_id] = (version, address)
+        self._recount()
+
+    def _recount(self) -> None:
+        """Rebuild the per-version totals from `running`."""
         self.groups_of_version, self.rows_of_version = Counter(), Counter()
         for g, (v, _) in self.running.items():
             self.groups_of_version[v] += 1

@@ -200,17 +200,7 @@ class Partial(Dora):
             sim.sync(engine)
             engine.reprefill(version)
             engine.load(version, sim.load_seconds(version))
-        retarget_all(sim.orchestrator, version)
-
-
-def retarget_all(orchestrator, version: int) -> None:
-    """Every instance and every running group is on `version` now (the partial-rollout baseline has no per-version
-    instances); the gate still holds each group's dispatch version for its staleness."""
-    for inst in orchestrator.instances.values():
-        inst.version = version
-    for group_id, (_, address) in list(orchestrator.running.items()):
-        orchestrator.running[group_id] = (version, address)
-    orchestrator.recount()
+        sim.orchestrator.relabel(version)
 
 
 MODES = ("sync", "one-step", "one-step-streaming", "partial", "dora")
