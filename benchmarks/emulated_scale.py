@@ -70,7 +70,7 @@ class CliCluster:
         slots = cfg.rollout.slots
         cluster._run("rollout", env, "worker", address, "--nworkers", str(instances), "--nthreads", str(slots),
                      "--resources", f"GPU=1,ROLLOUT={slots}", *common)
-        cluster._run("trainer", env, "worker", address, "--nthreads", "1", "--resources", "GPU=1,TRAINER=1", *common)
+        cluster._run("trainer", env, "worker", address, "--nthreads", "2", "--resources", "GPU=1,TRAINER=1", *common)
         threads = str(cfg.cluster.cpu_threads)
         cluster._run("cpu", env, "worker", address, "--nthreads", threads, "--resources", f"CPU={threads}", *common)
         _wait_for(address, instances + 2)

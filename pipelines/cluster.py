@@ -2,8 +2,9 @@
 
 Embedded default: a SpecCluster of Nanny worker processes on this machine, GPU-labelled like a real cluster:
   rollout-i   ``GPU=1, ROLLOUT=<rollout.slots>``, ``nthreads=<rollout.slots>`` (one per instance)
-  trainer     ``GPU=1, TRAINER=1``, ``nthreads=1``
-  cpu-i       ``CPU=<cluster.cpu_threads>`` (reward, advantage, gate, evaluation)
+  trainer     ``GPU=1, TRAINER=1``, ``nthreads=TRAINER_THREADS`` (updates take the label one at a time; the gate of the
+              next batch, which asks for no label, checks it on the other thread meanwhile)
+  cpu-i       ``CPU=<cluster.cpu_threads>`` (reward, advantage, evaluation)
   reward      ``GPU=1, REWARD=1``, ``nthreads=REWARD_THREADS`` (only with `reward.model`: the reward model's scoring;
               its threads let scoring tasks of several instances wait at once, merged into one forward pass)
 Every socket of the embedded cluster listens on `cluster.host` (loopback by default): a Dask scheduler runs any
@@ -11,7 +12,7 @@ pickled function sent to it. With `cluster.tls_*` set, the driver's client and t
 A real cluster is launched the same way by hand (see the README, also for its binding and TLS flags):
   dask scheduler
   dask worker tcp://HOST:8786 --nthreads 4 --resources "GPU=1,ROLLOUT=4"     # one per rollout GPU
-  dask worker tcp://HOST:8786 --nthreads 1 --resources "GPU=1,TRAINER=1"     # the trainer GPU
+  dask worker tcp://HOST:8786 --nthreads 2 --resources "GPU=1,TRAINER=1"     # the trainer GPU
   dask worker tcp://HOST:8786 --nthreads 4 --resources "CPU=4"               # reward workers
   dask worker tcp://HOST:8786 --nthreads 8 --resources "GPU=1,REWARD=1"      # a reward-model GPU (reward.model)
 The driver's client fetches results straight from the workers (``cluster.direct_to_workers``), so the scheduler does
@@ -41,6 +42,7 @@ ROLLOUT_ROW = {"ROLLOUT": 0}
 # A reward-model scoring task likewise asks for the REWARD label without taking it: the tasks running at once on a
 # reward worker (its threads) are what its batcher merges into one forward pass, so none may hold the label alone.
 REWARD_MODEL = {"REWARD": 0}
+TRAINER_THREADS = 2  # the update's, and the gate's of the batch that follows it
 REWARD_THREADS = 8  # embedded reward worker: scoring tasks in flight at once (they mostly wait on the batcher)
 MIN_WORKER_WAIT_S = 30.0  # a Nanny restarts a worker within seconds; a cluster's workers may take longer to join
 WORKER_POLL_S = 0.2  # how often the scheduler is asked again while a worker is missing
@@ -105,7 +107,7 @@ def embedded_cluster(cfg: Config) -> SpecCluster:
 
     slots = cfg.rollout.slots
     workers = {f"rollout-{i}": nanny(slots, {"GPU": 1, "ROLLOUT": slots}) for i in range(cfg.rollout.instances)}
-    workers["trainer"] = nanny(1, {"GPU": 1, "TRAINER": 1})
+    workers["trainer"] = nanny(TRAINER_THREADS, {"GPU": 1, "TRAINER": 1})
     for i in range(cfg.cluster.cpu_workers):
         workers[f"cpu-{i}"] = nanny(cfg.cluster.cpu_threads, {"CPU": cfg.cluster.cpu_threads})
     if cfg.reward.model:

@@ -7,13 +7,14 @@ the trajectory store and the only owner of the gate and orchestrator; `pipelines
 
 Submission placement (Dask resource restrictions):
   rollout, resume -> the instance the orchestrator chose (``workers=[addr]``), ROLLOUT=1 (a slot), =0 (a row)
-  reward, advantage, gate, evaluate -> CPU workers, resource CPU=1
+  reward, advantage, evaluate -> CPU workers, resource CPU=1
   reward-model (with `reward.model`) -> a reward worker, resource REWARD=0 (the label, no slot: tasks share forwards)
   update (and its publish), checkpoint, restore -> the trainer, resource TRAINER=1
+  gate -> the trainer's worker (``workers=[trainer]``, no label: it checks the next batch while an update trains)
 
 A rollout task is one group; the groups one instance finished since the driver's last turn are scored by one reward
 and one advantage task. A complete group is fetched by the driver (the store's writer); its batch goes straight to
-the trainer's worker (`send_to_trainer`), where the gate task fetches it. With `rollout.switching=migrate` a group's
+the trainer's worker (`send_to_trainer`), where the gate task checks it: a batch never leaves the trainer. With `rollout.switching=migrate` a group's
 running responses can move to another instance of its version (`pipelines.migration`).
 
 Faults: a rollout instance that leaves restarts its groups on their own version (and those whose responses moved
@@ -367,7 +368,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         batch = self.send_to_trainer([self.complete[g] for g in decision.group_ids])
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, batch, key=self.task_key("gate", u, *suffix),
-                                     resources=CPU, pure=False)
+                                     workers=[self.trainer], pure=False)
         updated = self.client.submit(steps.update, checked, self.weights.root, key=self.task_key("update", u, *suffix),
                                      resources=TRAINER, pure=False)
         self.updates.append(QueuedUpdate(decision, self.clock.now(), batch, checked, updated))
@@ -376,8 +377,9 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
     def send_to_trainer(self, groups: list[Group]) -> Future:
         """The batch goes from the driver straight to the trainer's worker, not through the scheduler inside a task
-        (a paper-scale batch is hundreds of MB); the gate's worker fetches it from there. Lost with the trainer, it
-        is sent again by `recover_trainer`."""
+        (a paper-scale batch is hundreds of MB); the gate runs there too, so it is never copied to another worker
+        (whose death would lose the only copy the scheduler kept). Lost with the trainer, it is sent again by
+        `recover_trainer`."""
         try:
             [batch] = self.client.scatter([groups], workers=[self.trainer], hash=False)  # direct: as configured
         except (OSError, ValueError) as exc:  # the trainer left (ValueError: no such worker any more)

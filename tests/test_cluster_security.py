@@ -168,7 +168,7 @@ def tls_cluster(certificates, tmp_path_factory):
         procs.stop()
 
 
-WORKER_LABELS = {"rollout": ("1", "GPU=1,ROLLOUT=1"), "trainer": ("1", "GPU=1,TRAINER=1"), "cpu": ("1", "CPU=1")}
+WORKER_LABELS = {"rollout": ("1", "GPU=1,ROLLOUT=1"), "trainer": ("2", "GPU=1,TRAINER=1"), "cpu": ("1", "CPU=1")}
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ def test_a_scheme_whose_package_is_missing_says_which():
 
 
 # ---- end to end: no folder shared between driver and workers ---------------------------------------------------------
-WORKERS = {"rollout": ("1", "GPU=1,ROLLOUT=1"), "trainer": ("1", "GPU=1,TRAINER=1"), "cpu": ("1", "CPU=1")}
+WORKERS = {"rollout": ("1", "GPU=1,ROLLOUT=1"), "trainer": ("2", "GPU=1,TRAINER=1"), "cpu": ("1", "CPU=1")}
 RUN_TIMEOUT_S = 900
 
 

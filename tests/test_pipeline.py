@@ -49,6 +49,32 @@ def test_streaming_run_keeps_all_three_constraints(small_config, shared_cluster,
 
 
 @pytest.mark.slow
+def test_each_batch_is_checked_on_the_trainer_and_never_leaves_it(small_config, shared_cluster):
+    """The gate runs on the trainer's worker, where its batch was scattered, and no update fetches anything from
+    another worker: a batch is never copied to a worker whose death would lose it (Dask keeps one replica)."""
+    from distributed import get_task_stream
+
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+
+    cfg = small_config("dora.train_batch_size=4", "dora.rollout_batch_size=8", "dora.num_updates=6",
+                       "dora.max_staleness=3", "dora.update_lookahead=1")
+    client = shared_cluster(cfg)
+    with open_run(cfg, inputs=RunInputs(client=client)) as run, get_task_stream(client) as tasks:
+        stream(run.driver)
+        trainer = run.driver.trainer
+        summary = run.finish()
+    assert audit_store(summary.store, 3).ok
+    by_name = {}
+    for task in tasks.data:
+        by_name.setdefault(task["key"][0] if isinstance(task["key"], tuple) else task["key"], []).append(task)
+    assert len(by_name["gate"]) == len(by_name["update"]) == cfg.dora.num_updates
+    assert {t["worker"] for t in by_name["gate"] + by_name["update"]} == {trainer}
+    fetched = [s for t in by_name["gate"] + by_name["update"] for s in t["startstops"] if s["action"] == "transfer"]
+    assert not fetched
+
+
+@pytest.mark.slow
 def test_a_rollout_worker_killed_mid_run_leaves_a_clean_audit(small_config):
     """SIGKILL a rollout worker process while it generates: the Nanny restarts it, its groups restart on their own
     version elsewhere, and the run finishes with a clean audit."""
