@@ -37,6 +37,7 @@ from benchmarks import compare_modes
 from benchmarks.race_stats import (
     Protocol,
     Side,
+    best_peer,
     interleaved_order,
     load_protocol,
     passes_table,
@@ -260,14 +261,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/race")
     parser.add_argument("--deadline", default=None, help="UTC HH:MM: start no pass that would end after it")
     parser.add_argument("--rounds", type=int, default=None, help="run at most this many rounds (a smoke run)")
-    parser.add_argument("--reference", default=None, help="side the p-values compare against (default: the TRL side)")
+    parser.add_argument("--reference", default=None,
+                        help="side the p-values compare against (default: the TRL side with the lowest median time)")
     parser.add_argument("--report-only", action="store_true", help="write the page from passes.jsonl only")
     args = parser.parse_args(argv)
     protocol = load_protocol(args.protocol)
     os.makedirs(args.out, exist_ok=True)
     if not args.report_only:
         run_race(protocol, args)
-    reference = args.reference or next((s.name for s in protocol.sides if s.kind == "trl"), protocol.sides[0].name)
+    reference = args.reference or best_peer(read_passes(os.path.join(args.out, "passes.jsonl")), protocol)
     print(write_report(protocol, args.out, reference))
     return 0
 

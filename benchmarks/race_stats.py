@@ -188,6 +188,16 @@ def side_summary(name: str, passes: list[dict], protocol: Protocol) -> dict:
     }
 
 
+def best_peer(passes: list[dict], protocol: Protocol) -> str:
+    """The TRL side with the lowest median time to target over its measured passes (the peer at its best is the one
+    compared against); the first TRL side while none has a pass, the first side where there is no TRL side."""
+    peers = [s.name for s in protocol.sides if s.kind == "trl"]
+    if not peers:
+        return protocol.sides[0].name
+    measured = {name: _times([p for p in passes if p["side"] == name and "failed" not in p]) for name in peers}
+    return min(peers, key=lambda name: median(measured[name]) if measured[name] else math.inf)
+
+
 def summarise(passes: list[dict], protocol: Protocol, reference: str) -> list[dict]:
     """Rows in protocol order, each with its rank-test p-value against the `reference` side's times and tokens/s."""
     by_side = {s.name: [p for p in passes if p["side"] == s.name and "failed" not in p] for s in protocol.sides}

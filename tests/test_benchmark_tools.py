@@ -193,6 +193,24 @@ def test_race_summary_keeps_every_pass_counts_unreached_as_never_and_crashed_apa
     assert "crashed: CommClosedError" in stats.passes_table(passes)
 
 
+def test_the_peer_compared_against_is_the_trl_side_with_the_lowest_median_time_to_target():
+    stats = load("race_stats")
+    sides = [{"name": "DORA", "kind": "dora"}, {"name": "TRL threads", "kind": "trl"},
+             {"name": "TRL processes", "kind": "trl", "trl": {"processes": 2}}]
+    protocol = stats.parse_protocol(_protocol_data(sides=sides))
+    assert stats.best_peer([], protocol) == "TRL threads"  # nothing measured yet: the first peer
+
+    def run(side, t):
+        return {"side": side, "time_to_target_s": t}
+
+    passes = [run("DORA", 1.0), run("TRL threads", 9.0), run("TRL threads", None), run("TRL threads", 7.0),
+              run("TRL processes", 8.0), run("TRL processes", 10.0), {"side": "TRL processes", "failed": "x"}]
+    assert stats.best_peer(passes, protocol) == "TRL threads"  # median 9.0 (never counts as last) against 9.0: first
+    passes.append(run("TRL processes", 8.5))
+    assert stats.best_peer(passes, protocol) == "TRL processes"  # median 8.5 against 9.0
+    assert stats.best_peer([], stats.parse_protocol(_protocol_data(sides=sides[:1]))) == "DORA"
+
+
 def test_switching_scale_gives_every_instance_work_and_compares_each_switching_with_its_own_size():
     import pytest
 
