@@ -38,6 +38,9 @@ from benchmarks.tables import formatted, markdown_table  # noqa: E402 - after th
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_PACED_CORE_SHARE = 0.8
 CPU_PACED_MACHINE_SHARE = 0.9
+# The trainer's worker holds the batches handed to it (update lookahead + 1; at TBS 512 x G 16 a batch is hundreds
+# of MB of token arrays) and the CPU worker scores whole groups: `cluster.worker_memory` sizes the rollout workers.
+TRAINER_AND_CPU_MEMORY = "6GiB"
 QUIET_WORKERS = {  # the embedded cluster's settings (pipelines.cluster.EMBEDDED_DASK_CONFIG), for CLI workers
     "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
     "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "500ms",
@@ -65,14 +68,14 @@ class CliCluster:
         cluster._run("scheduler", env, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
                      "127.0.0.1:0", "--scheduler-file", file)
         address = _read_address(file)
-        common = ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
-                  "--memory-limit", cfg.cluster.worker_memory]
+        common = ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"]
+        big = [*common, "--memory-limit", TRAINER_AND_CPU_MEMORY]
         slots = cfg.rollout.slots
         cluster._run("rollout", env, "worker", address, "--nworkers", str(instances), "--nthreads", str(slots),
-                     "--resources", f"GPU=1,ROLLOUT={slots}", *common)
-        cluster._run("trainer", env, "worker", address, "--nthreads", "2", "--resources", "GPU=1,TRAINER=1", *common)
+                     "--resources", f"GPU=1,ROLLOUT={slots}", *common, "--memory-limit", cfg.cluster.worker_memory)
+        cluster._run("trainer", env, "worker", address, "--nthreads", "2", "--resources", "GPU=1,TRAINER=1", *big)
         threads = str(cfg.cluster.cpu_threads)
-        cluster._run("cpu", env, "worker", address, "--nthreads", threads, "--resources", f"CPU={threads}", *common)
+        cluster._run("cpu", env, "worker", address, "--nthreads", threads, "--resources", f"CPU={threads}", *big)
         _wait_for(address, instances + 2)
         return cluster, address, time.time() - started
 
