@@ -197,11 +197,15 @@ def overhead(r) -> float:
     return r.load_share + r.transfer_share
 
 
+def audit_cell(r) -> str:
+    """C1 / C2 / C3 of a simulated run: mixed-version trajectories, then whether C2 and C3 held."""
+    return f"{r.c1_mixed_trajectories} / {'ok' if r.c2_ok else 'BROKEN'} / {'ok' if r.c3_ok else 'BROKEN'}"
+
+
 def beat_row(label: str, r, sync) -> str:
-    audit = f"{r.c1_mixed_trajectories} / {'ok' if r.c2_ok else 'BROKEN'} / {'ok' if r.c3_ok else 'BROKEN'}"
     return (f"| {label} | {r.rollout_gpus}/{r.trainer_gpus} | {r.tokens_per_s:,.0f} | "
             f"{r.tokens_per_s / sync.tokens_per_s:.2f}x | {r.non_overlapped_share:.1%} | {r.rollout_bubble:.1%} | "
-            f"{overhead(r):.2%} | {audit} |")
+            f"{overhead(r):.2%} | {audit_cell(r)} |")
 
 
 def beat(em: EmulationConfig) -> list[str]:

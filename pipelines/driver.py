@@ -14,8 +14,9 @@ Submission placement (Dask resource restrictions):
 
 A rollout task is one group; the groups one instance finished since the driver's last turn are scored by one reward
 and one advantage task. A complete group is fetched by the driver (the store's writer); its batch goes straight to
-the trainer's worker (`send_to_trainer`), where the gate task checks it: a batch never leaves the trainer. With `rollout.switching=migrate` a group's
-running responses can move to another instance of its version (`pipelines.migration`).
+the trainer's worker (`send_to_trainer`), where the gate task checks it: a batch never leaves the trainer. With
+`rollout.switching=migrate` a group's running responses can move to another instance of its version
+(`pipelines.migration`).
 
 Faults: a rollout instance that leaves restarts its groups on their own version (and those whose responses moved
 to or from it); a trainer that leaves, or whose update fails with `TrainerLost`, is restored (`recover_trainer`); an
