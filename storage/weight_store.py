@@ -123,6 +123,9 @@ class WeightFiles:
     @classmethod
     def read(cls, version: int, path: str) -> "WeightFiles":
         folder = objectstore.local_folder(path, MARKER)
+        if not os.path.isdir(folder):  # os.walk would read nothing and say nothing
+            raise WeightStoreError(f"version {version} is not in the weight store at {path}: never published, "
+                                   "or deleted by retention")
         files = {}
         for name in objectstore.files_under(folder):
             with open(os.path.join(folder, name), "rb") as f:

@@ -163,6 +163,27 @@ def test_save_weights_gives_a_loadable_folder_with_the_trainers_logprobs(tiny_mo
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
 
 
+def test_versions_published_after_the_start_version_is_deleted_keep_its_tokenizer(tiny_model, batch, tmp_path):
+    """The trainer starts on a published version that the weight store later deletes (retention): every later
+    version still carries the tokenizer files, byte for byte."""
+    import shutil
+
+    from storage.weight_store import WeightStore
+
+    store = WeightStore(str(tmp_path / "weights"))
+    store.publish(0, lambda folder: shutil.copytree(tiny_model, folder, dirs_exist_ok=True))
+    engine = TorchTrainEngine(store.path_for(0), TrainConfig(lr=1e-2))
+    engine.train_step(batch)
+    store.publish(1, engine.save_weights)
+    assert store.retain({1}) == [0] and store.versions() == [1]
+    engine.train_step(dataclasses.replace(batch, update=1))
+    store.publish(2, engine.save_weights)
+    with open(os.path.join(tiny_model, "tokenizer.json"), "rb") as f:
+        expected = f.read()
+    with open(os.path.join(store.path_for(2), "tokenizer.json"), "rb") as f:
+        assert f.read() == expected
+
+
 @pytest.fixture(scope="module")
 def tied_model(tiny_model, tmp_path_factory) -> str:
     """The tiny model's shape with the embedding tied to lm_head (as `dora_tasks.model.build_model` builds them)."""

@@ -19,7 +19,7 @@ from dora_tasks import steps
 from pipelines.inputs import RunInputs
 from pipelines.streaming import run_pipeline
 from storage.trajectory_store import TrajectoryStore
-from storage.weight_store import WeightStore
+from storage.weight_store import WeightFiles, WeightStore, WeightStoreError
 from waiting import wait_until
 
 
@@ -64,6 +64,15 @@ def test_a_version_is_copied_from_a_peer_and_read_again_only_when_every_holder_i
             survivor = sorted(client.scheduler_info()["workers"])[0]
             third = client.submit(received, shipped, workers=[survivor], pure=False).result(timeout=60)
             assert third.nbytes == 200_000  # read from the store again
+
+
+def test_reading_a_version_the_store_no_longer_holds_fails_with_its_name(tmp_path):
+    store = WeightStore(str(tmp_path / "weights"))
+    store.publish(0, lambda folder: open(os.path.join(folder, "config.json"), "w").close())
+    assert WeightFiles.read(0, store.path_for(0)).files == {"config.json": b""}
+    store.retain(set())
+    with pytest.raises(WeightStoreError, match="version 0 is not in the weight store"):
+        WeightFiles.read(0, store.path_for(0))
 
 
 @pytest.mark.slow

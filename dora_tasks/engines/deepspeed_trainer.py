@@ -41,6 +41,7 @@ from dora_tasks.core.records import TrainBatch
 from dora_tasks.engines.hf_io import (
     check_train_config,
     default_device,
+    read_tokenizer_files,
     timed_train_step,
     write_hf_folder,
 )
@@ -117,6 +118,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         self._deepspeed = deepspeed
         self.cfg = train_cfg
         self.model_path = model_path
+        self.tokenizer_files = read_tokenizer_files(model_path)
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
         ensure_distributed_env(replicated_batch)
@@ -170,7 +172,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         if self.base is not None:
             write_adapter_folder(self.engine.module, path, self.base, state_dict=state)
         else:
-            write_hf_folder(self.engine.module, path, self.model_path, state_dict=state)
+            write_hf_folder(self.engine.module, path, self.tokenizer_files, state_dict=state)
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Full copies of the weights (ZeRO-3 keeps only a shard of each parameter on a rank: gather them)."""

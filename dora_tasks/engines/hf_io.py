@@ -45,9 +45,21 @@ def load_policy(model_path: str, device: torch.device | str = "cpu", trainable: 
     return model
 
 
-def write_hf_folder(model, path: str, source_path: str, state_dict: dict | None = None) -> None:
-    """A Hugging Face model folder (config, safetensors) in `path`, plus the tokenizer files of `source_path` that
-    exist. A policy up to `SINGLE_FILE_BYTES` is written as one `model.safetensors` by `safetensors` directly (the
+def read_tokenizer_files(source_path: str) -> dict[str, bytes]:
+    """The tokenizer files of the model folder `source_path` that exist, read once: a trainer built from a published
+    version keeps them after the weight store deletes that version."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        src = os.path.join(source_path, name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f:
+                files[name] = f.read()
+    return files
+
+
+def write_hf_folder(model, path: str, tokenizer_files: dict[str, bytes], state_dict: dict | None = None) -> None:
+    """A Hugging Face model folder (config, safetensors) in `path`, plus `tokenizer_files` (`read_tokenizer_files`).
+    A policy up to `SINGLE_FILE_BYTES` is written as one `model.safetensors` by `safetensors` directly (the
     trainer publishes every update: 3 ms against 14-23 ms for `save_pretrained` on a 128-wide policy); a larger one,
     or one whose shared tensors are not the tied embedding, goes through `save_pretrained` (sharded)."""
     path = os.path.abspath(path)
@@ -63,10 +75,9 @@ def write_hf_folder(model, path: str, source_path: str, state_dict: dict | None 
             model.config.to_json_file(os.path.join(staging, "config.json"))
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.to_json_file(os.path.join(staging, "generation_config.json"))
-        for name in TOKENIZER_FILES:
-            src = os.path.join(source_path, name)
-            if os.path.isfile(src):
-                shutil.copy2(src, os.path.join(staging, name))
+        for name, content in tokenizer_files.items():
+            with open(os.path.join(staging, name), "wb") as f:
+                f.write(content)
         _move_into_place(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -21,6 +21,7 @@ from dora_tasks.core.records import TrainBatch
 from dora_tasks.engines.hf_io import (
     check_train_config,
     default_device,
+    read_tokenizer_files,
     timed_train_step,
     write_hf_folder,
 )
@@ -43,6 +44,7 @@ class TorchTrainEngine(TrainEngine):
         check_train_config(train_cfg)
         self.cfg = train_cfg
         self.model_path = model_path
+        self.tokenizer_files = read_tokenizer_files(model_path)
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
         self.device = torch.device(device) if device is not None else default_device()
@@ -74,7 +76,7 @@ class TorchTrainEngine(TrainEngine):
         if self.base is not None:
             write_adapter_folder(self.model, path, self.base)
         else:
-            write_hf_folder(self.model, path, self.model_path)
+            write_hf_folder(self.model, path, self.tokenizer_files)
 
     def state_dict(self) -> dict:
         """Weights (with LoRA: the adapter's only), optimizer state and version."""
