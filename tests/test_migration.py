@@ -8,10 +8,12 @@ continues on another of its version, with its tokens, behaviour log-probs, sampl
 - on a real LocalCluster with two rollout instances: a group's running responses handed over between them
   continue with the tokens they would have drawn at home, their log-probs those of the weights;
 - whole runs with `rollout.switching=migrate` at K=1 and K=3 (slow): migrations happen, the audit is clean, and
-  every migrated trajectory's behaviour log-probs equal a teacher-forced recompute under its version's weights.
+  every migrated trajectory's behaviour log-probs equal a teacher-forced recompute under its version's weights;
+- the same with the vLLM engine (slow, vllm): responses move by a re-prefill whose tokens and time are recorded.
 """
 from __future__ import annotations
 
+import importlib.util
 import random
 import shutil
 import threading
@@ -369,21 +371,29 @@ def move_a_running_group(d, forced: list) -> None:
                 return
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("K", [1, 3])
-def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_logprobs(small_config, shared_cluster, K):
+def run_with_moves(cfg, client=None):
+    """A whole run with some running groups moved (`move_a_running_group`); returns (summary, moves asked, the
+    orchestrator's `Migrate` and the servers' hand-over events)."""
     from pipelines.events import ResponsesHandedOver
     from pipelines.inputs import RunInputs
     from pipelines.run import open_run
     from pipelines.streaming import stream
-    from storage.weight_store import WeightStore
 
-    cfg = small_config(*MIGRATE_RUN, f"dora.max_staleness={K}")
     forced, answers = [], []
-    with open_run(cfg, inputs=RunInputs(client=shared_cluster(cfg))) as run:
+    with open_run(cfg, inputs=RunInputs(client=client)) as run:
         run.driver.subscribe(lambda e: answers.append(e) if isinstance(e, (ResponsesHandedOver, Migrate)) else None)
         stream(run.driver, on_turn=lambda d: move_a_running_group(d, forced))
         summary = run.finish()
+    return summary, forced, answers
+
+
+def check_moved_run(cfg, summary, forced, answers, tolerance: float):
+    """Audit clean, every group once, some responses moved between instances of their version, and every migrated
+    trajectory's behaviour log-probs those of its version's weights recomputed from scratch (within `tolerance`).
+    Returns the migrations table and the largest gap."""
+    from storage.weight_store import WeightStore
+
+    K = cfg.dora.max_staleness
     report = audit_store(summary.store, K)
     assert report.ok, report.to_text()
     store = TrajectoryStore.open(summary.store)
@@ -393,10 +403,9 @@ def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_lo
     moved = store.read_table("migrations")
     assert len(moved["group_id"]) > 0, f"no response moved ({len(forced)} moves asked, answers {answers})"
     assert report.counts["migrations"] == len(moved["group_id"]) == summary.metrics["migrations"]
-    assert (moved["source"] != moved["target"]).all() and (moved["reprefill_tokens"] == 0).all()
+    assert (moved["source"] != moved["target"]).all()
     assert (moved["version"] == moved["target_version"]).all() and (moved["bytes"] > 0).all()
 
-    # every migrated trajectory: its behaviour log-probs are those of its version's weights, recomputed from scratch
     rows = [int(np.flatnonzero((t["group_id"] == g) & (t["sample_idx"] == s))[0])
             for g, s in sorted(set(zip(moved["group_id"].tolist(), moved["sample_idx"].tolist())))]
     weights = WeightStore(cfg.storage.resolved("weight_store"))
@@ -408,14 +417,35 @@ def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_lo
         if version not in models:
             models[version] = load_causal_lm(weights.path_for(version)).eval()
         expected = recomputed(models[version], toks[:plen].tolist(), toks[plen:].tolist())
-        np.testing.assert_allclose(logp, expected, atol=1e-4)
+        np.testing.assert_allclose(logp, expected, atol=tolerance)
         worst = max(worst, float(np.abs(logp - expected).max()))
     decided = sum(isinstance(e, Migrate) for e in answers) - len(forced)
     print(f"\nK={K}: {len(moved['group_id'])} responses moved ({decided} moves decided by the orchestrator, "
-          f"{len(forced)} asked by the test), "
-          f"{int(moved['bytes'].sum())} bytes, {np.nanmean(moved['seconds']) * 1e3:.2f} ms to take one in, "
+          f"{len(forced)} asked by the test), {int(moved['bytes'].sum())} bytes, "
+          f"{int(moved['reprefill_tokens'].sum())} tokens re-prefilled, "
+          f"{np.nanmean(moved['seconds']) * 1e3:.2f} ms to take one in, "
           f"hand-over to adoption {np.mean(moved['adopted_time'] - moved['handed_over_time']) * 1e3:.0f} ms; "
           f"max |behaviour - recompute| {worst:.1e} over {len(rows)} trajectories")
+    return moved, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K", [1, 3])
+def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_logprobs(small_config, shared_cluster, K):
+    cfg = small_config(*MIGRATE_RUN, f"dora.max_staleness={K}")
+    moved, _ = check_moved_run(cfg, *run_with_moves(cfg, shared_cluster(cfg)), tolerance=1e-4)
+    assert (moved["reprefill_tokens"] == 0).all()  # the KV cache moved with each response
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is needed")
+def test_a_vllm_run_moves_responses_by_a_measured_reprefill_and_keeps_the_constraints(small_config):
+    """vLLM holds its KV cache to itself: a moved response is prefilled again on its new instance, prompt and
+    tokens so far, and that cost is recorded with each migration."""
+    cfg = small_config(*MIGRATE_RUN, "rollout.engine=vllm", "model.num_heads=2", "dora.max_staleness=1")
+    moved, _ = check_moved_run(cfg, *run_with_moves(cfg), tolerance=1e-3)
+    assert (moved["reprefill_tokens"] > 0).all() and (moved["seconds"] > 0).all()
 
 
 @pytest.mark.slow
