@@ -390,7 +390,7 @@ def run_with_moves(cfg, client=None):
 def check_moved_run(cfg, summary, forced, answers, tolerance: float):
     """Audit clean, every group once, some responses moved between instances of their version, and every migrated
     trajectory's behaviour log-probs those of its version's weights recomputed from scratch (within `tolerance`).
-    Returns the migrations table and the largest gap."""
+    Returns the migrations table."""
     from storage.weight_store import WeightStore
 
     K = cfg.dora.max_staleness
@@ -426,14 +426,14 @@ def check_moved_run(cfg, summary, forced, answers, tolerance: float):
           f"{np.nanmean(moved['seconds']) * 1e3:.2f} ms to take one in, "
           f"hand-over to adoption {np.mean(moved['adopted_time'] - moved['handed_over_time']) * 1e3:.0f} ms; "
           f"max |behaviour - recompute| {worst:.1e} over {len(rows)} trajectories")
-    return moved, worst
+    return moved
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("K", [1, 3])
 def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_logprobs(small_config, shared_cluster, K):
     cfg = small_config(*MIGRATE_RUN, f"dora.max_staleness={K}")
-    moved, _ = check_moved_run(cfg, *run_with_moves(cfg, shared_cluster(cfg)), tolerance=1e-4)
+    moved = check_moved_run(cfg, *run_with_moves(cfg, shared_cluster(cfg)), tolerance=1e-4)
     assert (moved["reprefill_tokens"] == 0).all()  # the KV cache moved with each response
 
 
@@ -444,7 +444,7 @@ def test_a_vllm_run_moves_responses_by_a_measured_reprefill_and_keeps_the_constr
     """vLLM holds its KV cache to itself: a moved response is prefilled again on its new instance, prompt and
     tokens so far, and that cost is recorded with each migration."""
     cfg = small_config(*MIGRATE_RUN, "rollout.engine=vllm", "model.num_heads=2", "dora.max_staleness=1")
-    moved, _ = check_moved_run(cfg, *run_with_moves(cfg), tolerance=1e-3)
+    moved = check_moved_run(cfg, *run_with_moves(cfg), tolerance=1e-3)
     assert (moved["reprefill_tokens"] > 0).all() and (moved["seconds"] > 0).all()
 
 

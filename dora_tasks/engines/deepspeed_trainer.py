@@ -117,7 +117,6 @@ class DeepSpeedTrainEngine(TrainEngine):
 
         self._deepspeed = deepspeed
         self.cfg = train_cfg
-        self.model_path = model_path
         self.tokenizer_files = read_tokenizer_files(model_path)
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)

@@ -43,7 +43,6 @@ class TorchTrainEngine(TrainEngine):
         """`base_path`: where workers read the base model (train.lora: recorded with each adapter)."""
         check_train_config(train_cfg)
         self.cfg = train_cfg
-        self.model_path = model_path
         self.tokenizer_files = read_tokenizer_files(model_path)
         self.version = version
         self.temperature = temperature  # the rollout's sampling temperature (see objective.py)
