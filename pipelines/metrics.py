@@ -4,6 +4,8 @@
   the window from the publish of update 1 to the last publish);
 * step time: wall time between consecutive publishes, steady state;
 * rollout bubble: share of rollout-instance wall time with no sequence being decoded;
+* open rollout bubble: the same until the run's last group is dispatched; a run that trains every group it dispatches
+  (C2) ends by draining, its last K updates with no new work for the instances, and this window leaves that out;
 * trainer bubble: share of trainer wall time with no update running;
 * non-overlapped rollout share: share of wall time the trainer spends waiting for rollout data (from the end of
   one publish to the moment the gate hands over the next batch).
@@ -192,13 +194,15 @@ def rollout_bubble(busy: dict[str, list[tuple[float, float]]], start: float, end
     return 1.0 - min(1.0, float(np.mean(shares)))
 
 
-def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
+            last_dispatch: float = float("inf")) -> dict[str, float]:
     start, end = tl.steady_window()
     return {
         "throughput_tokens_per_s": throughput(tl),
         "step_time_s": mean_step_time(tl),
         "trainer_bubble": trainer_bubble(tl),
         "rollout_bubble": rollout_bubble(busy, start, end),
+        "open_rollout_bubble": rollout_bubble(busy, start, min(end, last_dispatch)),
         "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
         "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
     }

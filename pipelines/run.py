@@ -117,7 +117,9 @@ class Run:
             for future in d.wait_any(POLL_S):
                 d.on_done(future)
         busy = d.client.run(busy_spans)
-        metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None})
+        dispatched = d.store.read_table("dispatch", ["time"])["time"]
+        metrics = timing_summary(d.timeline, {a: s for a, s in busy.items() if s is not None},
+                                 float(dispatched.max()) if len(dispatched) else float("inf"))
         metrics["live_versions_max"] = float(d.live_versions_max)
         d.store.close()
         from storage.audit import audit_store

@@ -179,6 +179,15 @@ def test_partial_rollout_mixes_versions_within_trajectories_and_stays_in_the_win
     assert r.c1_mixed_trajectories > 0 and r.c2_ok and r.staleness_max <= 2
 
 
+def test_open_bubble_leaves_out_the_drain_after_the_last_dispatch():
+    sim, own = run("dora", max_staleness=3)  # its budget outlasts the window: open = whole window, prefill busy
+    assert own.open_rollout_bubble == pytest.approx(own.rollout_bubble - own.prefill_share - own.transfer_share)
+    exact = Simulation(SimConfig(mode="dora", max_staleness=3, **SMALL), COST, LONG_TAIL)
+    exact.orchestrator.group_budget = exact.updates * exact.tbs  # a run that trains every group it dispatches
+    r = exact.run().result()
+    assert r.open_rollout_bubble < r.rollout_bubble - r.prefill_share - r.transfer_share
+
+
 def test_simulator_drives_the_real_gate_and_orchestrator():
     sim, _ = run("one-step")  # check=True: both validate() after every decision
     assert type(sim.gate) is VersionGate and type(sim.orchestrator) is Orchestrator

@@ -151,6 +151,7 @@ class Simulation:
                         self.orchestrator.on_progress(group, tokens)
         for action in self.orchestrator.decide(self.mode.capacity(self)):
             self._act(action)
+        self.record.on_dispatch(self.now)
         if self.training is None and len(self.gate.complete) >= self.tbs:
             decision = self.gate.decide()
             if decision is not None:
