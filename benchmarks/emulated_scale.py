@@ -194,6 +194,7 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         "in_flight_max": max(in_flight), "audit_ok": summary.audit_ok,
         "throughput": summary.metrics["throughput_tokens_per_s"], "step_s": summary.metrics["step_time_s"],
         "rollout_bubble": summary.metrics["rollout_bubble"], "open_bubble": summary.metrics["open_rollout_bubble"],
+        "open_window_s": summary.metrics["open_window_s"],
         "orchestration_cpu_s": orchestration[0], "emulated_run_s": summary.metrics["wall_s"],
         "migrations": summary.metrics.get("migrations", 0.0),
         "migration_s": summary.metrics.get("migrations", 0.0) * summary.metrics.get("migration_s_mean", 0.0),

@@ -92,6 +92,9 @@ def sim_settings(cfg, decision_interval_s: float = 0.0):
     from pipelines.simulator import SimConfig
 
     e, d, r = cfg.emulation, cfg.dora, cfg.rollout
+    if r.partial_rollout:
+        raise ValueError("the simulator's partial rollout is colocated (pipelines/simulator/modes.py), this run's "
+                         "is disaggregated: not the same mode")
     if r.slots * r.instances != d.rollout_batch_size:
         raise ValueError("the simulator gives each instance RBS / instances groups: set rollout.slots to that")
     sim = SimConfig(gpus=r.instances * e.tp + e.trainer_gpus, mode="dora", max_staleness=d.max_staleness,

@@ -18,7 +18,8 @@ the pace.
 Columns (emulated seconds throughout; wall figures are this machine's):
 * tokens/s, step time, rollout bubble: the run's summary (steady window, after two warm-up updates);
 * open bubble: the rollout bubble until the run's last group is dispatched (the run trains every group it dispatches,
-  so its last K updates drain the instances; this window leaves that out, as a longer run would);
+  so its last K updates drain the instances; this window leaves that out, as a longer run would), and that window's
+  length (from the publish that closes the warm-up);
 * orch + transfer: the driver's CPU seconds in the orchestrator's decisions and migration submissions, as emulated
   seconds (x speed-up) over the emulated run, plus the receivers' emulated seconds taking moved responses in (the
   emulated engine re-prefills them), over N x the emulated run: each a share of an instance's step time;
@@ -121,7 +122,8 @@ def add_gains(rows: list[dict]) -> None:
 COLUMNS = [
     ("instances", "N", "{}"), ("switching", "switching", "{}"), ("tbs", "TBS / RBS", "{}"),
     ("throughput", "tokens/s (emu)", "{:,.0f}"), ("step_s", "step (emu s)", "{:.1f}"),
-    ("rollout_bubble", "rollout bubble", "{:.1%}"), ("open_bubble", "open bubble", "{:.1%}"), ("overhead_share", "orch + transfer (of step)", "{}"),
+    ("rollout_bubble", "rollout bubble", "{:.1%}"), ("open_bubble", "open bubble", "{:.1%}"),
+    ("open_window_s", "open window (emu s)", "{:,.0f}"), ("overhead_share", "orch + transfer (of step)", "{}"),
     ("migrations", "migrations", "{:.0f}"), ("gain_drain", "gain vs drain", "{:+.1%}"),
     ("gain_queue", "gain vs queue", "{:+.1%}"), ("machine_share", "machine busy", "{:.0%}"),
     ("cpu_paced", "paced by", "{}"), ("audit_ok", "audit C1-C3", "{}"),

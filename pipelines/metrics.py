@@ -203,6 +203,7 @@ def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
         "trainer_bubble": trainer_bubble(tl),
         "rollout_bubble": rollout_bubble(busy, start, end),
         "open_rollout_bubble": rollout_bubble(busy, start, min(end, last_dispatch)),
+        "open_window_s": max(0.0, min(end, last_dispatch) - start),
         "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
         "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
     }

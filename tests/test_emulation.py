@@ -87,6 +87,25 @@ def test_decode_cost_sums_every_step_as_rows_end():
     assert decode_cost(e.cost, rows) == pytest.approx(loop, rel=1e-12)
 
 
+def test_a_row_ending_within_a_call_gives_its_place_to_a_waiting_row_for_the_steps_left():
+    e = engine("emulation.speedup=1e6")
+    prompts, _ = emulated_prompts(3, 0, emulated_config().emulation, 0)
+    session = e.open_session()
+    for p in prompts:
+        session.add(p.prompt_id, p.token_ids)
+    for key, target in zip(session.rows, (10, 100, 100)):
+        session.rows[key].target = target
+    e.max_rows = 2
+    context = [r.context for r in session.rows.values()]
+    out = session.decode({k: 50 for k in session.rows}, 0)
+    assert [len(out[k].token_ids) for k in session.rows] == [10, 50, 40]  # the third joins at step 10
+    assert out[0].finished and not out[2].finished
+    loop = sum(e.cost.decode_step_s(len(run), sum(c + s - first for c, first, _ in run))
+               for s in range(50) for run in [[r for r in [(context[0], 0, 10), (context[1], 0, 50),
+                                                           (context[2], 10, 50)] if r[1] <= s < r[2]]])
+    assert e.emulated_s == pytest.approx(sum(e.cost.prefill_s(c) for c in context) + loop, rel=1e-9)
+
+
 def test_rows_beyond_the_kv_budget_wait_and_are_prefilled_again():
     e = engine("emulation.speedup=1e6")
     prompts, _ = emulated_prompts(3, 0, emulated_config().emulation, 0)

@@ -18,5 +18,5 @@ def test_the_open_bubble_ends_at_the_last_dispatch_and_the_rollout_bubble_at_the
     busy = {"a": [(0.0, 32.0)], "b": [(0.0, 26.0)]}  # both idle once the last group (dispatched at 30) ends
     m = summary(tl, busy, last_dispatch=30.0)
     assert m["rollout_bubble"] == pytest.approx(1 - (12 + 6) / 40)
-    assert m["open_rollout_bubble"] == pytest.approx(1 - (10 + 6) / 20)
+    assert m["open_rollout_bubble"] == pytest.approx(1 - (10 + 6) / 20) and m["open_window_s"] == 10.0
     assert summary(tl, busy)["open_rollout_bubble"] == pytest.approx(m["rollout_bubble"])  # no dispatch time: whole window

@@ -28,6 +28,7 @@ divided by `emulation.speedup`.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -187,34 +188,52 @@ class EmulatedSession(DecodeSession):
 
     def decode_part(self, steps: Mapping[Hashable, int], batch: Mapping[Hashable, int]) -> dict[Hashable, Generation]:
         """Decode the rows of `steps` as part of `batch` (every row this turn decodes, `steps` among them). When a row
-        of `steps` has not been paid for, the batch is admitted and paid for together (its prefills and decode
-        steps), and the tokens of its other rows are kept as paid until their own call takes them."""
+        of `steps` was not in the last call, the batch is run and paid for together (its prefills and decode steps),
+        and the tokens of its other rows are kept as paid until their own call takes them."""
         wanted = {k: max(0, min(n, self.rows[k].target - self.rows[k].generated)) for k, n in batch.items()}
-        if any(wanted[k] > self._paid.get(k, 0) for k in steps):
-            admitted, prefill = self._admit(wanted)
-            order = list(admitted)
-            rows = [(self.rows[k].context, wanted[k]) for k in order]
-            self.engine.spend(prefill + decode_cost(self.engine.cost, rows, [self.rows[k].version for k in order]))
-            self._paid = {k: wanted[k] for k in order}
+        if any(k not in self._paid for k in steps):
+            granted, prefill, spans, versions = self._run_call(wanted)
+            self.engine.spend(prefill + span_cost(self.engine.cost, spans, versions))
+            self._paid = {k: granted.get(k, 0) for k in wanted}
         return {k: self._emit(k, min(wanted[k], self._paid.pop(k, 0))) for k in steps}
 
-    def _admit(self, wanted: Mapping[Hashable, int]) -> tuple[set, float]:
-        """The rows that decode in this call, and the prefill time of those whose cache was not held."""
+    def _run_call(self, wanted: Mapping[Hashable, int]) -> tuple[dict, float, list, list]:
+        """Continuous batching over one call of `chunk` steps: rows are admitted first fit in admission order while
+        their caches, grown by this call's tokens, fit and rows < `max_rows`; as rows end, waiting rows take their
+        place for the steps left (vLLM schedules at every step, not per call). Returns each admitted row's tokens,
+        the prefill seconds of rows whose cache was not held, and the (context, first step, end step) spans and
+        versions of the admitted rows."""
         e = self.engine
-        admitted, used, prefill = set(), 0, 0.0
-        for key, row in self.rows.items():
-            if key not in wanted or wanted[key] == 0:
-                continue
-            need = row.context + wanted[key]
-            if admitted and (used + need > e.capacity or len(admitted) >= e.max_rows):
-                row.cached = False  # preempted or still waiting: its cache is (re)built when admitted
-                continue
-            if not row.cached:
-                prefill += e.cost.prefill_s(row.context)
-                row.cached = True
-            admitted.add(key)
-            used += need
-        return admitted, prefill
+        chunk = max(wanted.values(), default=0)
+        waiting = [k for k in self.rows if wanted.get(k, 0) > 0]
+        granted, spans, versions, running = {}, [], [], []  # running: a heap of (end step, order, cache held)
+        used, prefill, step = 0, 0.0, 0
+        while waiting and step < chunk:
+            still = []
+            for i, key in enumerate(waiting):
+                if running and len(running) >= e.max_rows:
+                    still.extend(waiting[i:])
+                    break
+                row, n = self.rows[key], min(wanted[key], chunk - step)
+                if running and used + row.context + n > e.capacity:
+                    still.append(key)
+                    continue
+                if not row.cached:
+                    prefill += e.cost.prefill_s(row.context)
+                    row.cached = True
+                granted[key], used = n, used + row.context + n
+                spans.append((row.context, step, step + n))
+                versions.append(row.version)
+                heapq.heappush(running, (step + n, len(spans), row.context + n))
+            waiting = still
+            if not running:
+                break
+            step = running[0][0]
+            while running and running[0][0] == step:  # rows ending here free their rows and caches
+                used -= heapq.heappop(running)[2]
+        for key in waiting:
+            self.rows[key].cached = False  # preempted or still waiting: its cache is (re)built when admitted
+        return granted, prefill, spans, versions
 
     def _emit(self, key: Hashable, count: int) -> Generation:
         row = self.rows[key]
@@ -232,18 +251,28 @@ def decode_cost(cost: CostModel, rows: Sequence[tuple[int, int]], versions: Sequ
     """Seconds to decode rows given as (context, tokens) together, each leaving after its tokens: the sum over steps
     s of `decode_step_s(rows still running, sum of their context + s, their distinct versions)`; `versions`: each
     row's (LoRA adapter; default one version for all)."""
-    total, step = 0.0, 0
-    count, context = len(rows), sum(c for c, _ in rows)
-    running = Counter(versions if versions is not None else [0] * len(rows))
-    tagged = zip(rows, versions if versions is not None else [0] * len(rows))
-    for (own_context, ends), version in sorted(tagged, key=lambda r: r[0][1]):
-        if ends > step:
-            total += _sum_steps(cost, count, context, step, ends) + (ends - step) * cost.adapter_step_s(len(running))
-            step = ends
-        count, context = count - 1, context - own_context
-        running[version] -= 1
-        if not running[version]:
-            del running[version]
+    return span_cost(cost, [(context, 0, tokens) for context, tokens in rows], versions)
+
+
+def span_cost(cost: CostModel, spans: Sequence[tuple[int, int, int]], versions: Sequence[int] | None = None) -> float:
+    """Seconds to decode rows given as (context, first step, end step) in one batch: each row joins at its first
+    step with its context and leaves at its end step; summed in closed form between the steps where rows change."""
+    versions = list(versions) if versions is not None else [0] * len(spans)
+    changes: dict[int, list] = {}
+    for (context, first, end), version in zip(spans, versions):
+        if end > first:
+            changes.setdefault(first, []).append((1, context - first, version))
+            changes.setdefault(end, []).append((-1, first - context, version))
+    total, rows, context, running = 0.0, 0, 0, Counter()
+    points = sorted(changes)
+    for here, after in zip(points, points[1:] + [None]):
+        for sign, offset, version in changes[here]:  # context at step x = sum over running rows of (context + x - first)
+            rows, context = rows + sign, context + offset
+            running[version] += sign
+            if not running[version]:
+                del running[version]
+        if after is not None and rows:
+            total += _sum_steps(cost, rows, context, here, after) + (after - here) * cost.adapter_step_s(len(running))
     return total
 
 
