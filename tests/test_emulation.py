@@ -87,12 +87,18 @@ def test_decode_cost_sums_every_step_as_rows_end():
     assert decode_cost(e.cost, rows) == pytest.approx(loop, rel=1e-12)
 
 
-def test_a_row_ending_within_a_call_gives_its_place_to_a_waiting_row_for_the_steps_left():
+def three_row_session():
+    """A fast engine and a session holding three prompts' first rows."""
     e = engine("emulation.speedup=1e6")
     prompts, _ = emulated_prompts(3, 0, emulated_config().emulation, 0)
     session = e.open_session()
     for p in prompts:
         session.add(p.prompt_id, p.token_ids)
+    return e, session
+
+
+def test_a_row_ending_within_a_call_gives_its_place_to_a_waiting_row_for_the_steps_left():
+    e, session = three_row_session()
     for key, target in zip(session.rows, (10, 100, 100)):
         session.rows[key].target = target
     e.max_rows = 2
@@ -107,11 +113,7 @@ def test_a_row_ending_within_a_call_gives_its_place_to_a_waiting_row_for_the_ste
 
 
 def test_rows_beyond_the_kv_budget_wait_and_are_prefilled_again():
-    e = engine("emulation.speedup=1e6")
-    prompts, _ = emulated_prompts(3, 0, emulated_config().emulation, 0)
-    session = e.open_session()
-    for p in prompts:
-        session.add(p.prompt_id, p.token_ids)
+    e, session = three_row_session()
     first = session.rows[0]
     e.capacity = first.context + 8  # room for one row and 8 tokens of it
     out = session.decode({k: 8 for k in session.rows}, 0)

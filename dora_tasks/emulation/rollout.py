@@ -13,10 +13,11 @@ divided by `emulation.speedup`.
   them); every token carries the loaded version, so the audit's C1 check tests the version policy for real.
 * Continuous batching within the KV-cache budget (`CostModel.kv_capacity_tokens`): at every decode call the rows
   are admitted first come first served while their caches, grown by this call's tokens, fit (and at most
-  `emulation.max_rows` of them); a row that does not fit waits (0 tokens, unfinished) and its cache is dropped, so it
-  is prefilled again (prompt + tokens so far) when it is admitted, as vLLM's recompute preemption does.
+  `emulation.max_rows` of them), and as rows end within the call waiting rows take their places for the steps left;
+  a row that does not fit waits (fewer tokens, unfinished) and its cache is dropped, so it is prefilled again
+  (prompt + tokens so far) when it is admitted, as vLLM's recompute preemption does.
 * Cost of a call: `prefill_s` of each newly admitted row, plus the sum over the call's steps of
-  `decode_step_s(rows still running, their total context)`, rows leaving as they end.
+  `decode_step_s(rows running, their total context)`, rows joining and leaving as above.
 * `load_version` sleeps the weight-load time (`emulation.weight_source`: from a peer instance or from the store);
   with `emulation.lora_rank` > 0 a version after 0 is its adapter's bytes, and every decode step pays for the
   distinct adapters of its rows (`CostModel.adapter_step_s`).
