@@ -179,6 +179,23 @@ def test_partial_rollout_mixes_versions_within_trajectories_and_stays_in_the_win
     assert r.c1_mixed_trajectories > 0 and r.c2_ok and r.staleness_max <= 2
 
 
+def test_queued_switching_loads_a_version_only_after_the_older_rows_end():
+    loaded_over_rows = []
+    original = Engine.load
+
+    def load(engine, version, seconds):
+        loaded_over_rows.append(engine.holds_rows())
+        original(engine, version, seconds)
+
+    Engine.load = load
+    try:
+        sim, r = run("dora", max_staleness=3, switching="queue", max_rows=16)  # rows queue inside engines
+    finally:
+        Engine.load = original
+    assert r.c1_mixed_trajectories == 0 and r.c2_ok and r.c3_ok
+    assert len(loaded_over_rows) > len(sim.engines) and not any(loaded_over_rows)
+
+
 def test_open_bubble_leaves_out_the_drain_after_the_last_dispatch():
     sim, own = run("dora", max_staleness=3)  # its budget outlasts the window: open = whole window, prefill busy
     assert own.open_rollout_bubble == pytest.approx(own.rollout_bubble - own.prefill_share - own.transfer_share)

@@ -100,6 +100,7 @@ class Simulation:
         self.train_end = INF
         self.ready: dict[int, float] = {}  # version -> when a peer holds it
         self.ended: list[Seq] = []  # rows that ended while an engine was synced for a change
+        self.queued_loads: dict[str, tuple[int, list[Seq]]] = {}  # instance -> (next version, groups queued for it)
         self.record = Recorder(self)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
@@ -123,6 +124,8 @@ class Simulation:
             if engine.next_change <= self.now:
                 self.ended += engine.advance_to(self.now)
         changed = self._collect()
+        if self.queued_loads:
+            self._load_drained()
         if self.train_end <= self.now:
             self._publish()
             changed = True
@@ -174,9 +177,26 @@ class Simulation:
         if isinstance(action, Start):
             if action.new:
                 self.gate.on_dispatch(action.group_id, action.version)
-            engine.submit(self._group(action.group_id, action.version))
+            seqs = self._group(action.group_id, action.version)
+            if action.instance in self.queued_loads:
+                self.queued_loads[action.instance][1].extend(seqs)
+            else:
+                engine.submit(seqs)
+        elif self.cfg.switching == "queue" and engine.holds_rows():  # C1: the load waits for the older rows to end
+            self.queued_loads[action.instance] = (action.version, [])
         else:
             engine.load(action.version, self.load_seconds(action.version))
+
+    def _load_drained(self) -> None:
+        """Queued switching: an instance whose older rows have all ended loads its next version and takes the groups
+        that queued behind them."""
+        for name, (version, seqs) in list(self.queued_loads.items()):
+            engine = self.engines[name]
+            self.sync(engine)
+            if not engine.holds_rows():
+                del self.queued_loads[name]
+                engine.load(version, self.load_seconds(version))
+                engine.submit(seqs)
 
     def sync(self, engine: Engine) -> None:
         self.ended += engine.sync(self.now)

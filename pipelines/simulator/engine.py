@@ -277,6 +277,9 @@ class Engine:
         self._refresh()
         return moved
 
+    def holds_rows(self) -> bool:
+        return bool(self.running or self.waiting)
+
     def load(self, version: int, seconds: float) -> None:
         """Take `version`'s weights (call `sync(now)` first); decoding stops for `seconds`."""
         self.version = version
