@@ -105,6 +105,9 @@ class Orchestrator:
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # group_id -> its requests still running
     tokens: dict[int, int] = field(default_factory=dict)  # group_id -> KV tokens its unfinished requests hold
     queued: dict[int, deque] = field(default_factory=dict)  # version -> group ids waiting to (re)start on it
+    # group_id -> the instance it was moved to, until it is there (`on_arrived`; at the latest when it ends): that
+    # instance does not leave the group's version, nor is the group moved on, while its requests are on their way
+    arriving: dict[int, str] = field(default_factory=dict)
     # running totals per instance address, kept with every change so that a decision need not sum over its groups
     rows_used: dict[str, int] = field(default_factory=dict)  # unfinished requests of its running groups
     kv_held: dict[str, int] = field(default_factory=dict)  # KV tokens (`tokens`) of its running groups
@@ -160,7 +163,12 @@ class Orchestrator:
         """Queue a known group to (re)start on `version` (used after a resume for groups whose rollout was lost)."""
         self.queued.setdefault(version, deque()).append(group_id)
 
+    def on_arrived(self, group_id: int) -> None:
+        """A moved group's requests are on the instance it was moved to."""
+        self.arriving.pop(group_id, None)
+
     def _forget(self, group_id: int) -> tuple[int, str]:
+        self.arriving.pop(group_id, None)
         rows = len(self.unfinished.pop(group_id, ()))
         tokens = self.tokens.pop(group_id, 0)
         version, address = self.running.pop(group_id)
@@ -292,6 +300,7 @@ class Orchestrator:
         source.running.discard(group_id)
         target.running.add(group_id)
         self.running[group_id] = (version, target.address)
+        self.arriving[group_id] = target.address
         rows, tokens = len(self.unfinished[group_id]), self.tokens.get(group_id, 0)
         self._count(source.address, -rows, -tokens)
         self._count(target.address, rows, tokens)
@@ -363,6 +372,8 @@ class Orchestrator:
         check(all(s <= set(range(self.group_size)) for s in self.unfinished.values()), "a request outside its group")
         queued = [g for q in self.queued.values() for g in q]
         check(len(queued) == len(set(queued)) and not (set(queued) & set(owned)), "a group is queued twice or also running")
+        check(all(self.running.get(g, (None, None))[1] == a for g, a in self.arriving.items()),
+              "a group on its way to an instance does not run there")
         check(self.next_group_id <= self.group_budget, "more groups created than the budget")
         check(all(v <= self.newest for v, _ in self.running.values()), "a group runs on an unpublished version")
 

@@ -13,7 +13,9 @@
   idle, and its requests decode slower in a fuller batch: a step's time grows with the batch's KV cache); a leaver
   whose requests do not all fit drains instead. Then, within each version, groups queued on an instance beyond what
   its engine decodes at once move to instances of that version with room (an instance that just switched takes the
-  newest version's backlog).
+  newest version's backlog). While a moved group is on its way (`Orchestrator.arriving`: until the driver or the
+  simulator says it arrived, at the latest until it ends) it is not moved on and its receiver does not leave: a
+  receiver that left would meet the group's requests on a version it no longer serves.
 * `Concurrent(M)` (`rollout.versions_per_instance` = M > 1; LoRA adapters, one per version): an instance holding
   requests of fewer than M distinct versions, the newest counted, takes the newest version at once (it loads that
   version's adapter beside the ones it holds) and starts its new groups in the rows its older requests leave free;
@@ -92,13 +94,15 @@ class Migrate(Drain):
         a leaver with none to take would idle while its requests decode slower in a stayer's fuller batch."""
         shares = proportional_shares(orch.remaining_rows(capacity), len(orch.instances))
         waiting = rows_waiting_for_newest(orch)
+        receiving = set(orch.arriving.values())
         actions = []
         for version in sorted({i.version for i in orch.instances.values() if i.version is not None}):
             if version == orch.newest:
                 continue
             serving = [i for i in orch.ordered_instances() if i.version == version]
             surplus = len(serving) - shares.get(version, 0)
-            leavers = sorted(serving, key=lambda i: (orch.used_rows(i), i.address))[:max(0, surplus)]
+            free_to_leave = [i for i in serving if i.address not in receiving]  # else a move may reach it too late
+            leavers = sorted(free_to_leave, key=lambda i: (orch.used_rows(i), i.address))[:max(0, surplus)]
             stayers = [i for i in serving if i not in leavers]
             for leaver in leavers:
                 if waiting <= 0:
@@ -216,6 +220,8 @@ def balance(orch, serving: list) -> list:
             rows, tokens = orch.rows_of(group_id), orch.tokens.get(group_id, 0)
             if queued < rows or not kv:
                 break
+            if group_id in orch.arriving:
+                continue  # on its way here: moved on only once it has arrived
             if unplaced is not None and rows >= unplaced:  # rooms and KV budgets only shrink below
                 continue
             fits = [a for a in kv if a != donor.address and room[a] >= rows and kv[a] >= tokens]

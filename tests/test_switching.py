@@ -162,6 +162,20 @@ def test_a_straggler_moves_to_the_other_instance_of_its_version_and_its_instance
     orch.validate()
 
 
+def test_an_instance_a_group_is_on_its_way_to_does_not_leave_its_version_until_the_group_arrives():
+    orch = two_stragglers(group_size=4)
+    orch.arriving[0] = "a"  # group 0 was moved to a and its requests are not there yet
+    newest_backlog(orch, capacity=4)
+    held = orch.decide(capacity=0)  # a (fewest remaining) would leave: b leaves instead, to a
+    assert not [m for m in held if isinstance(m, Migrate) and m.source == "a"]
+    assert held[:2] == [Migrate(1, (2, 3), 0, "b", "a"), Load("b", 1, source="z")]
+    assert orch.instances["a"].version == 0 and orch.arriving == {0: "a", 1: "a", 3: "b"}
+    orch.on_arrived(0)
+    orch.on_group_done(1)
+    assert orch.arriving == {3: "b"}
+    orch.validate()
+
+
 def test_a_leaver_drains_while_no_request_of_the_newest_version_waits_for_a_batch_row():
     orch = two_stragglers(group_size=4)
     actions = orch.decide(capacity=4)  # new groups may start, but none waits: a would idle, its straggler slow b

@@ -170,6 +170,7 @@ class Simulation:
             self.sync(source)
             self.sync(target)
             target.submit(source.take(action.group_id), migrated=True)
+            self.orchestrator.on_arrived(action.group_id)  # a move takes no time here
             self.record.migrations[0] += 1
             return
         engine = self.engines[action.instance]
