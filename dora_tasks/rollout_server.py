@@ -117,8 +117,10 @@ class RolloutServer:
     def resume(self, continuation: Continuation, weights_path: str) -> Resumed:
         """Continue a response another instance handed over: it joins this server's batch of its version, adopted
         with its KV cache where the engine keeps one (re-encoded otherwise), and is answered when it ends (or with a
-        new continuation if handed over again). Raises `VersionMismatch` when this server holds another version
-        (C1); `weights_path` is that version's, should the server have to load it again before the row joins."""
+        new continuation if handed over again). Raises `VersionMismatch` when this server holds a newer version
+        (C1); on an older one it waits, as a request of its version would, until the older rows have ended and the
+        server loads its version from `weights_path` (an instance a migration retargets may be sent only moved
+        responses, no new group that would make it load)."""
         if self._policy.max_versions > 1:
             raise ValueError("a handed-over response joins an instance of one version: hand-over (rollout.switching="
                              "migrate) needs rollout.versions_per_instance=1")
@@ -187,7 +189,8 @@ class RolloutServer:
         engine = self._engine
         if engine is None:
             return  # not started: it will load the continuation's version
-        check_version(engine.version, continuation)
+        if engine.version > continuation.version:  # an older one moves up to it once its rows end, as for a generate
+            check_version(engine.version, continuation)
         if engine.max_new_tokens != continuation.max_new_tokens:
             raise ValueError(f"continuation of request {continuation.request_id!r} has a budget of "
                              f"{continuation.max_new_tokens} tokens, this server's responses "

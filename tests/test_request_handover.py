@@ -268,15 +268,19 @@ def test_a_server_without_the_cache_resumes_by_a_measured_reprefill(policy):
     np.testing.assert_allclose(g.logprobs, recomputed(model, PROMPTS[3], g.token_ids.tolist()), atol=1e-4)
 
 
-def test_a_server_refuses_a_continuation_of_another_version(policy):
-    home, away = served(policy), served(policy)
-    away.generate(0, "", PROMPTS[2], 1, 0)  # started: holds version 0
-    _, (c,) = hand_over_one(home, PROMPTS[0], 1, 3)
+def test_a_server_refuses_a_continuation_of_an_older_version_and_moves_up_to_a_newer_ones(policy):
+    home, newer, older = served(policy), served(policy), served(policy)
+    newer.generate(1, policy, PROMPTS[2], 1, 0)  # started: holds version 1
+    older.generate(0, "", PROMPTS[2], 1, 0)  # holds version 0
+    _, (c,) = hand_over_one(home, PROMPTS[0], 1, 3)  # of version 0
     home.close()
-    c.version = 1
     with pytest.raises(VersionMismatch, match="C1"):
-        away.resume(c, "")
-    away.close()
+        newer.resume(c, "")
+    c.version = 1  # as if version 1 had produced it: the server still on version 0 loads 1, then takes it in
+    resumed = older.resume(c, policy)
+    assert older.version == 1 and len(resumed.outcome.token_ids) >= len(c.token_ids)
+    for server in (newer, older):
+        server.close()
 
 
 def test_hand_over_on_an_idle_server_returns_nothing(policy):
