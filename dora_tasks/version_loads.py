@@ -72,7 +72,8 @@ def resume_when_loaded(server, loads: VersionLoads, continuation: Continuation, 
     """`server.resume(continuation)`, once the server holds the continuation's version: asked now, then after each
     load of its engine, until `wait_s` passed (`VersionWaitTimeout`, naming the version and the weight store), or
     until the server serves a newer version (`VersionLeft`: the driver restarts the group at once rather than after
-    the whole wait)."""
+    the whole wait). A `RolloutServer` on an older version takes the resume at once and loads its version when its
+    older rows end; the asking again serves servers that refuse it until then."""
     deadline = time.monotonic() + wait_s
     while True:
         seen = loads.count  # read before asking: a load between the question and the wait ends the wait at once
