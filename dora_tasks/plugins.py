@@ -169,17 +169,18 @@ def busy_spans(dask_worker):
     return None if server is None else [(plugin.clock.at(s), plugin.clock.at(e)) for s, e in server.busy.spans]
 
 
-async def hand_over_requests(request_ids: list, dask_worker) -> list[int]:
+async def hand_over_requests(request_ids: list, dask_worker) -> list[tuple]:
     """Hand the running responses of `request_ids` over at this rollout instance's next chunk boundary (`client.run`
     on the source instance, not a task: every thread of the worker may be held by a rollout task blocked on the
-    server). Their rollout (or resume) tasks answer with the continuations; this answers their sample indices."""
+    server). Their rollout (or resume) tasks answer with the continuations; this answers (request id, sample index)
+    of each."""
     import asyncio
 
     server = getattr(dask_worker.plugins.get(ROLLOUT_PLUGIN), "server", None)
     if server is None:
         return []
     handed = await asyncio.to_thread(server.hand_over, requests=request_ids)
-    return sorted(c.sample_index for c in handed)
+    return sorted((tuple(c.request_id), c.sample_index) for c in handed)
 
 
 @dataclass

@@ -42,8 +42,9 @@ from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
 from pipelines.cluster import CPU, REWARD_MODEL, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
 from pipelines.evaluation import Evaluations
-from pipelines.events import (EvaluationTask, Event, GroupRolledOut, GroupsScored, HandOverTask, Published, ResumeTask,
-                              RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted, UpdateTask)
+from pipelines.events import (EvaluationTask, Event, GroupOrder, GroupRolledOut, GroupsScored, HandOverTask, Published,
+                              ResumeTask, RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted,
+                              UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.in_flight import InFlight, QueuedUpdate
 from pipelines.metrics import Timeline, UpdateTiming, update_metrics
@@ -62,6 +63,7 @@ SEED_STRIDE = 1_000_003  # a prime: the seeds of two runs' groups do not collide
 ATTEMPT_SEEDS = 31  # seeds per group: its attempts take consecutive ones
 POLL_S = 1.0  # a blocking wait looks at the cluster again this often (a paused worker, a lost trainer)
 DONE_POLL_S = 0.02  # how often a start-up wait looks at its futures
+HAND_OVER_THREADS = 64  # sources whose orders wait for their chunk boundaries at once (threads start as needed)
 
 
 class RunError(RuntimeError):
@@ -112,8 +114,9 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
+    outbox: dict[str, list[GroupOrder]] = field(default_factory=dict)  # source -> hand-over orders not sent yet
     hand_over_pool: ThreadPoolExecutor = field(  # sends hand-over orders (`client.run` waits for a chunk boundary)
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="dora-hand-over"))
+        default_factory=lambda: ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="dora-hand-over"))
 
     def __post_init__(self) -> None:
         self.shared = SharedWeights(self.client, self.weights, run_tag=self.run_tag)
@@ -267,7 +270,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         for gid in generating:
             lost = self.in_flight.pop(gid)
             log.warning("instance %s lost; group %d restarts on version %d", address, gid, lost.version)
-            self.untrack(lost.futures + lost.orders)  # a scoring batch holds groups of one instance only
+            self.untrack(lost.futures)  # a scoring batch holds groups of one instance only
             self.client.cancel(lost.futures)
         touched = [gid for gid, g in self.in_flight.items()
                    if (g.instance == address and g.rolled_out) or (g.moves is not None and address in g.moves.touched)]

@@ -39,15 +39,23 @@ class EvaluationTask:
 
 
 @dataclass(frozen=True)
-class HandOverTask:
-    """An order to `source` to hand the group's running responses over (for `target`): not a Dask task but a
-    `client.run` on the source worker, run from a driver thread; it answers the sample indices handed over."""
+class GroupOrder:
+    """One group of a hand-over order: its running responses on the order's source go to `target`."""
 
     group_id: int
     version: int
     attempt: int
-    source: str
     target: str
+
+
+@dataclass(frozen=True)
+class HandOverTask:
+    """An order to `source` to hand the running responses of some groups over (each to its target): not a Dask task
+    but a `client.run` on the source worker, run from a driver thread; it answers (request id, sample index) of each
+    response handed over."""
+
+    source: str
+    orders: tuple[GroupOrder, ...]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ class InFlight:
     rolled_out: bool = False  # every response ended: its rows are free again
     moves: Moves | None = None  # where its responses are, once one was asked to move (`pipelines.migration`)
     resumes: dict[tuple[int, int], Future] = field(default_factory=dict)  # (sample, hop) -> its resume
-    orders: list = field(default_factory=list)  # hand-over orders sent (driver-thread futures)
     reported: set[int] = field(default_factory=set)  # samples whose end the orchestrator was told
 
     @property

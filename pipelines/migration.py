@@ -4,10 +4,11 @@ continues on another instance of its version, with its tokens, behaviour log-pro
 How the driver carries out one `Migrate(group, samples, version, source, target)` of the orchestrator:
 
     hand-over order ──► source: `client.run(hand_over_requests)` from a driver thread, not a task (every thread of
-                        the source may be held by a rollout task blocked on its server). At its next chunk boundary
-                        the server takes the group's running responses out of its batch; the rollout task answers
-                        `HandedOver` (the trajectories that ended there and a continuation per moved response), the
-                        order answers the moved sample indices.
+                        the source may be held by a rollout task blocked on its server); one order per source and
+                        turn names every group it gives away, and orders to several sources wait at once. At its
+                        next chunk boundary the server takes the groups' running responses out of its batch; each
+                        rollout task answers `HandedOver` (the trajectories that ended there and a continuation per
+                        moved response), the order answers the moved (request, sample) pairs.
     ("resume", v, group, sample) ──► target, one task per moved response (`steps.resume`), pinned there with the
                         rollout label; its continuation (KV cache included) is a Dask dependency, copied worker to
                         worker, never through the driver. A response is one row of the target's batch, not a slot:
@@ -50,7 +51,7 @@ from distributed import Future
 from dora_tasks import steps
 from dora_tasks.plugins import hand_over_requests
 from pipelines.cluster import ROLLOUT_ROW
-from pipelines.events import HandOverTask, ResponsesHandedOver, ResumeTask, RolloutTask
+from pipelines.events import GroupOrder, HandOverTask, ResponsesHandedOver, ResumeTask, RolloutTask
 from pipelines.orchestrator import Migrate
 
 log = logging.getLogger("dora")
@@ -173,7 +174,8 @@ class RequestMigration:
     client)."""
 
     def migrate(self, action: Migrate) -> None:
-        """Carry out the orchestrator's `Migrate`: ask its source to hand the group's running responses over."""
+        """Take in the orchestrator's `Migrate`: its source will be asked (`send_orders`) to hand the group's running
+        responses over."""
         self.emit(action)
         group = self.in_flight.get(action.group_id)
         if group is None or group.rolled_out or group.version != action.version:
@@ -182,27 +184,41 @@ class RequestMigration:
             group.moves = Moves.start(self.cfg.rollout.group_size, group.instance)
         order = group.moves.ask(action.source, action.target)
         if order is not None:
-            self._send_order(group, *order)
+            self._queue_order(group, *order)
 
-    def _send_order(self, group, source: str, target: str) -> None:
-        rid = steps.request_id(group.group_id, group.attempt)
-        future: ThreadFuture = self.hand_over_pool.submit(self.client.run, hand_over_requests, [rid],
-                                                          workers=[source])
-        group.orders.append(future)
-        self.track(future, HandOverTask(group.group_id, group.version, group.attempt, source, target))
+    def _queue_order(self, group, source: str, target: str) -> None:
+        self.outbox.setdefault(source, []).append(GroupOrder(group.group_id, group.version, group.attempt, target))
+
+    def send_orders(self) -> None:
+        """One hand-over order per source for every group queued since the last call, all sent at once: an order
+        waits for its source's next chunk boundary, so orders one after another would each wait a chunk."""
+        for source, orders in self.outbox.items():
+            rids = [steps.request_id(o.group_id, o.attempt) for o in orders]
+            future: ThreadFuture = self.hand_over_pool.submit(self.client.run, hand_over_requests, rids,
+                                                              workers=[source])
+            self.track(future, HandOverTask(source, tuple(orders)))
+        self.outbox.clear()
 
     def on_handed_over(self, task: HandOverTask, future: ThreadFuture) -> None:
-        """The source answered which responses it handed over: each continues on the target in a resume task."""
-        group = self.in_flight.get(task.group_id)
-        if group is None or group.attempt != task.attempt:
-            return
+        """The source answered which responses it handed over: each continues on its target in a resume task."""
         try:
-            samples = list(future.result().get(task.source, []))
-        except Exception as exc:  # noqa: BLE001 - whether anything moved is unknown: start the group again
-            if not group.rolled_out:  # (rolled out: every response had ended before the order went out)
-                self.restart_group(task.group_id, f"hand-over by {task.source} failed: {type(exc).__name__}: {exc}")
-                return
-            samples = []
+            answered, failure = future.result().get(task.source, []), None
+        except Exception as exc:  # noqa: BLE001 - whether anything moved is unknown: its groups start again
+            answered, failure = [], f"hand-over by {task.source} failed: {type(exc).__name__}: {exc}"
+        samples: dict[tuple, list[int]] = {}
+        for request, sample in answered:
+            samples.setdefault(tuple(request), []).append(sample)
+        for order in task.orders:
+            handed = samples.get(steps.request_id(order.group_id, order.attempt), [])
+            self._handed_over(order, task.source, handed, failure)
+
+    def _handed_over(self, order: GroupOrder, source: str, samples: list[int], failure: str | None) -> None:
+        group = self.in_flight.get(order.group_id)
+        if group is None or group.attempt != order.attempt:
+            return
+        if failure is not None and not group.rolled_out:  # (rolled out: every response had ended before the order)
+            self.restart_group(order.group_id, failure)
+            return
         moves = group.moves
         moved, following = moves.answer(samples)
         path = self.weights.path_for(group.version)
@@ -218,9 +234,9 @@ class RequestMigration:
                                            new.instance))
         if not moved:
             self._take_back(group)
-        self.emit(ResponsesHandedOver(task.group_id, tuple(samples), task.source, task.target, self.clock.now()))
+        self.emit(ResponsesHandedOver(order.group_id, tuple(samples), source, order.target, self.clock.now()))
         if following is not None:
-            self._send_order(group, *following)
+            self._queue_order(group, *following)
         self._settle(group)
 
     def on_resumed(self, task: ResumeTask, future: Future) -> None:
@@ -276,5 +292,5 @@ class RequestMigration:
         if gid in self.orchestrator.running:
             self.orchestrator.on_group_done(gid)
         self.orchestrator.requeue(gid, lost.version)
-        self.untrack(lost.futures + lost.orders)
+        self.untrack(lost.futures)
         self.client.cancel(lost.futures)

@@ -32,6 +32,7 @@ def stream(d: Driver, on_turn=None) -> None:
                 d.migrate(action)  # hand-over(source) -> resume(v, group, sample)* on the target
             else:
                 d.emit(action)  # Load: an instance assigned a version
+        d.send_orders()  # one hand-over order per source
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         for future in d.wait_any(TICK_S):  # whichever finishes first

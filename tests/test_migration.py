@@ -31,7 +31,7 @@ from dora_tasks.core.handover import ResumedResponse, assemble_group, check_vers
 from dora_tasks.core.records import Group, Migration, Prompt, Trajectory
 from dora_tasks.model import load_causal_lm
 from dora_tasks.version_loads import VersionLeft, VersionLoads, VersionWaitTimeout, resume_when_loaded
-from pipelines.migration import ROLLOUT_TASK, Holder, Moves
+from pipelines.migration import ROLLOUT_TASK, Holder, Moves, RequestMigration
 from pipelines.orchestrator import Migrate
 from storage.audit import audit_store
 from storage.trajectory_store import SCHEMA_VERSION, TrajectoryStore
@@ -131,6 +131,51 @@ def test_a_task_end_learnt_while_an_order_is_out_counts_only_once_the_order_is_a
     moves.answer([])
     moves.task_done((1, 1))
     assert moves.complete and moves.final_tasks() == [(1, 1)] and moves.carrier == 1
+
+
+class RecordingPool:
+    def __init__(self):
+        self.sent = []
+
+    def submit(self, fn, *args, **kwargs) -> int:
+        self.sent.append((args, kwargs))
+        return len(self.sent)  # a stand-in for the thread's future
+
+
+class OrderRecorder(RequestMigration):
+    """The driver's hand-over side alone: orders go to a recording pool, answers to a recording `_handed_over`."""
+
+    def __init__(self):
+        self.outbox, self.tracked, self.answered = {}, {}, []
+        self.hand_over_pool, self.client = RecordingPool(), SimpleNamespace(run=None)
+
+    def track(self, future, task):
+        self.tracked[future] = task
+
+    def _handed_over(self, order, source, samples, failure):
+        self.answered.append((order.group_id, source, order.target, samples, failure))
+
+
+def test_one_hand_over_order_per_source_names_every_group_it_gives_away_and_each_learns_its_samples():
+    from concurrent.futures import Future as ThreadFuture
+
+    d = OrderRecorder()
+    for gid, source, target in [(0, "a", "b"), (1, "a", "c"), (2, "b", "c"), (3, "a", "b")]:
+        d._queue_order(SimpleNamespace(group_id=gid, version=2, attempt=gid % 2), source, target)
+    d.send_orders()
+    assert not d.outbox
+    sent = {kw["workers"][0]: args[1] for args, kw in d.hand_over_pool.sent}  # source -> the request ids its one order names
+    assert sent == {"a": [(0, 0), (1, 1), (3, 1)], "b": [(2, 0)]}
+    task_a = next(t for t in d.tracked.values() if t.source == "a")
+    answer = ThreadFuture()
+    answer.set_result({"a": [((0, 0), 4), ((3, 1), 0), ((0, 0), 7)]})  # group 1's responses had all ended
+    d.on_handed_over(task_a, answer)
+    assert d.answered == [(0, "a", "b", [4, 7], None), (1, "a", "c", [], None), (3, "a", "b", [0], None)]
+    failed = ThreadFuture()
+    failed.set_exception(OSError("gone"))
+    d.answered.clear()
+    d.on_handed_over(task_a, failed)
+    assert [a[0] for a in d.answered] == [0, 1, 3] and all("gone" in a[4] for a in d.answered)
 
 
 # ---- putting a moved group together ----------------------------------------------------------------------------
@@ -317,7 +362,7 @@ def test_running_responses_move_between_two_rollout_instances_and_continue_exact
                                    resources=ROLLOUT, key=("rollout", 0, 0, attempt), pure=False)
             handed: list[int] = []
             while not handed and not rolled.done():
-                handed = client.run(hand_over_requests, [steps.request_id(0, attempt)], workers=[a])[a]
+                handed = [s for _, s in client.run(hand_over_requests, [steps.request_id(0, attempt)], workers=[a])[a]]
             if handed:
                 break
         assert handed, "every response ended before a chunk boundary"
@@ -326,7 +371,7 @@ def test_running_responses_move_between_two_rollout_instances_and_continue_exact
                                   key=("resume", 0, 0, s, attempt), pure=False) for s in handed}
         again: list[int] = []  # and back to the first instance, from the answers of the first resumes
         while not again and not all(f.done() for f in first.values()):
-            again = client.run(hand_over_requests, [steps.request_id(0, attempt)], workers=[b])[b]
+            again = [s for _, s in client.run(hand_over_requests, [steps.request_id(0, attempt)], workers=[b])[b]]
         final = dict(first)
         final.update({s: client.submit(steps.resume, first[s], s, path, False, workers=[a], resources=ROLLOUT_ROW,
                                        key=("resume", 0, 0, s, attempt, 2), pure=False) for s in again})

@@ -154,6 +154,21 @@ def test_migrating_run_keeps_the_orchestrators_running_totals():
     assert sim.record.migrations[0] > 0
 
 
+def test_group_reports_tell_the_orchestrator_only_what_the_dask_driver_learns():
+    told = {"request_done": set(), "progress": 0}
+    changes = {"switching": "migrate", "max_rows": 16, "reports": "group"}
+    sim = Simulation(SimConfig(mode="dora", check=True, **{**SMALL, **changes}), COST, LONG_TAIL)
+    done, progress = sim.orchestrator.on_request_done, sim.orchestrator.on_progress
+    sim.orchestrator.on_request_done = lambda g, s: (told["request_done"].add(g), done(g, s))
+    sim.orchestrator.on_progress = lambda g, t: (told.__setitem__("progress", told["progress"] + 1), progress(g, t))
+    moved = []
+    act = sim._act
+    sim._act = lambda a: (moved.append(getattr(a, "group_id", None)) if type(a).__name__ == "Migrate" else None, act(a))
+    r = sim.run().result()
+    assert moved and r.c2_ok and r.c3_ok and r.c1_mixed_trajectories == 0
+    assert told["request_done"] and told["request_done"] <= set(moved) and told["progress"] == 0
+
+
 # ---- simulated runs ------------------------------------------------------------------------------------------------
 def run(mode, **changes):
     sim = Simulation(SimConfig(mode=mode, check=True, **{**SMALL, **changes}), COST, LONG_TAIL)

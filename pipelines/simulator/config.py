@@ -27,6 +27,10 @@ class SimConfig:
     decision_interval_s: float = 1.0  # the orchestrator and gate decide at most this often (0: at every event)
     check: bool = False  # validate the gate and the orchestrator after every decision
     versions_per_instance: int = 1  # M versions one instance serves at once (LoRA adapters; dora with drain only)
+    # what the orchestrator is told: "request" (every request end and KV use, a moved group there at once) or
+    # "group" (request ends only of groups that moved, no KV use, a moved group "arriving" until it ends: what the
+    # Dask driver learns from its tasks)
+    reports: str = "request"
 
     def validate(self) -> "SimConfig":
         def require(ok: bool, key: str, why: str) -> None:
@@ -48,6 +52,7 @@ class SimConfig:
                 f"searched chooses trainer_gpus itself; got trainer_gpus={self.trainer_gpus}")
         require(self.switching in ("drain", "queue", "migrate"), "switching",
                 f"allowed: drain, queue, migrate; got {self.switching!r}")
+        require(self.reports in ("request", "group"), "reports", f"allowed: request, group; got {self.reports!r}")
         require(self.decision_interval_s >= 0, "decision_interval_s", "must be >= 0")
         require(self.versions_per_instance >= 1, "versions_per_instance",
                 f"must be >= 1, got {self.versions_per_instance}")

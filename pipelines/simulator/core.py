@@ -96,6 +96,7 @@ class Simulation:
         self.now = 0.0
         self.groups: dict[int, list[Seq]] = {}
         self.left: dict[int, int] = {}  # group -> samples still running
+        self.moved: set[int] = set()  # running groups that moved (their request ends are reported in any case)
         self.training: BatchDecision | None = None
         self.train_end = INF
         self.ready: dict[int, float] = {}  # version -> when a peer holds it
@@ -136,17 +137,21 @@ class Simulation:
         """Rows that ended: a group whose last sample ended is complete."""
         done = False
         for seq in self.ended:
-            self.orchestrator.on_request_done(seq.group, seq.sample)
-            done = True  # its row is free
+            if self.cfg.reports == "request" or seq.group in self.moved:
+                self.orchestrator.on_request_done(seq.group, seq.sample)
+                done = True  # its row is free
             self.left[seq.group] -= 1
             if self.left[seq.group] == 0:
+                done = True
+                self.moved.discard(seq.group)
                 self.orchestrator.on_group_done(seq.group)
                 self.gate.on_complete(seq.group)
         self.ended = []
         return done
 
     def _decide(self) -> None:
-        if self.cfg.switching == "migrate":  # where a migrated group's cache fits (an engine unchanged holds as before)
+        # where a migrated group's cache fits (an engine unchanged holds as before)
+        if self.cfg.switching == "migrate" and self.cfg.reports == "request":
             for engine in self.engines.values():
                 if engine.held_changed:
                     engine.held_changed = False
@@ -170,7 +175,9 @@ class Simulation:
             self.sync(source)
             self.sync(target)
             target.submit(source.take(action.group_id), migrated=True)
-            self.orchestrator.on_arrived(action.group_id)  # a move takes no time here
+            self.moved.add(action.group_id)
+            if self.cfg.reports == "request":
+                self.orchestrator.on_arrived(action.group_id)  # a move takes no time here
             self.record.migrations[0] += 1
             return
         engine = self.engines[action.instance]
