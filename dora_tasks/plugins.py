@@ -49,6 +49,7 @@ class RolloutPlugin(WorkerPlugin):
     engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_rollout_engine`)
     clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of groups and busy spans
     episodes: EpisodeSpec | None = None  # multi-turn episodes with an environment (`dora_tasks.episodes`), if set
+    request_ends_topic: str = ""  # where the server's request ends go (Dask events: `worker.log_event`); "": nowhere
     name: str = ROLLOUT_PLUGIN
 
     def setup(self, worker) -> None:
@@ -76,7 +77,15 @@ class RolloutPlugin(WorkerPlugin):
                                                                               **self.engine_options))
         self.server = RolloutServer(make_engine, policy,
                                     self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache,
-                                    row_streams=self.rollout.per_row_streams)
+                                    row_streams=self.rollout.per_row_streams,
+                                    on_rows_ended=self._reporter(worker))
+
+    def _reporter(self, worker):
+        """Request ends as Dask events to the driver: [group id, attempt, sample] each (msgpack takes lists)."""
+        topic = self.request_ends_topic
+        if not topic:
+            return None
+        return lambda ended: worker.log_event(topic, [[*request, sample] for request, sample in ended])
 
     def teardown(self, worker) -> None:
         if getattr(self, "server", None) is not None:
@@ -139,6 +148,11 @@ class TrainerPlugin(WorkerPlugin):
         if getattr(self, "engine", None) is not None:
             self.engine.close()
             self.engine = None
+
+
+def request_ends_topic(run_tag: str) -> str:
+    """The Dask event topic of one run's request ends (a run's own: runs follow one another on one cluster)."""
+    return f"dora-request-ends-{run_tag}"
 
 
 def rollout_server():

@@ -76,7 +76,8 @@ class BusyLog:
 
 class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], policy: VersionPolicy | None = None,
-                 chunk_tokens: int = 0, *, keep_kv_cache: bool = True, row_streams: bool = False):
+                 chunk_tokens: int = 0, *, keep_kv_cache: bool = True, row_streams: bool = False,
+                 on_rows_ended: Callable[[list[tuple[Hashable, int]]], None] | None = None):
         """`policy`: which version a batch runs on and who joins it (default `DispatchVersion`, DORA's).
         `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches, one chunk of
         the whole response budget).
@@ -85,8 +86,12 @@ class RolloutServer:
         `row_streams`: on a session engine, each response samples from its own random stream, seeded by its
         request's seed and sample index, so that a handed-over response continues exactly as it would have at
         home; off, the rows of a chunk draw from one stream seeded per chunk (a handed-over response then continues
-        from the receiver's stream: the same distribution, other tokens)."""
+        from the receiver's stream: the same distribution, other tokens).
+        `on_rows_ended`: called from the engine thread at each chunk boundary with (request id, sample index) of
+        the responses of named requests that ended in the chunk (not those handed over): the orchestrator frees
+        their rows request by request."""
         self._make_engine = make_engine
+        self._on_rows_ended = on_rows_ended
         self._policy = policy if policy is not None else DispatchVersion()
         self._chunk = chunk_tokens
         self._keep_kv_cache = keep_kv_cache
@@ -293,6 +298,7 @@ class RolloutServer:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                 self._give_away(session, active, budget)
+                self._report_ended(active, budget)
                 active, pending = self._end_turn(active, budget)
         except BaseException as exc:
             fail([r for r, _ in active] + pending, exc)
@@ -319,6 +325,7 @@ class RolloutServer:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                 self._give_away(session, [], budget)  # no running row is offered: orders get nothing
+                self._report_ended(active, budget)
                 active = hand_back_finished(active, budget)
                 pending = self._admit(list(dict.fromkeys(r.version for r, _ in active)))
         except BaseException as exc:
@@ -391,6 +398,18 @@ class RolloutServer:
             running = [(r, s) for r, states in active for s in states if not s.done(budget)]
             order.result = [hand_over_row(session, r, s, budget) for r, s in order.choose(running)]
             order.done.set()
+
+    def _report_ended(self, active: list, budget: int) -> None:
+        if self._on_rows_ended is None:
+            return
+        ended = []
+        for request, states in active:
+            for s in states:
+                if request.request_id is not None and not s.reported and s.handed_over is None and s.done(budget):
+                    s.reported = True
+                    ended.append((request.request_id, s.sample_index))
+        if ended:
+            self._on_rows_ended(ended)
 
     def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
         """One chunk of every live response: `chunk_tokens`, or the rest of its budget (0: static batches)."""

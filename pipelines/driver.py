@@ -40,6 +40,7 @@ from dora_tasks import steps
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
+from dora_tasks.plugins import request_ends_topic
 from pipelines.cluster import CPU, REWARD_MODEL, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
 from pipelines.evaluation import Evaluations
 from pipelines.events import (EvaluationTask, Event, GroupOrder, GroupRolledOut, GroupsScored, HandOverTask, Published,
@@ -114,6 +115,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
+    _request_ends: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # servers' reports, as they come
+    _listening: bool = False  # subscribed to the servers' reports of request ends
     outbox: dict[str, list[GroupOrder]] = field(default_factory=dict)  # source -> hand-over orders not sent yet
     hand_over_pool: ThreadPoolExecutor = field(  # sends hand-over orders (`client.run` waits for a chunk boundary)
         default_factory=lambda: ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="dora-hand-over"))
@@ -125,6 +128,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
     def close(self) -> None:
         self.hand_over_pool.shutdown(wait=False, cancel_futures=True)
+        if self._listening:
+            self.client.unsubscribe_topic(request_ends_topic(self.run_tag))
         self.release_futures()
 
     def release_futures(self) -> None:
@@ -278,6 +283,15 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             self.restart_group(gid, f"instance {address} lost")
 
     # ---- rollout side --------------------------------------------------------------------------------------------
+    def take_request_ends(self) -> None:
+        """The responses the rollout servers reported ended since the last turn free their rows in the orchestrator
+        (a report of an attempt given up on, or of a group whose rollout ended since, changes nothing)."""
+        while not self._request_ends.empty():
+            for gid, attempt, sample in self._request_ends.get():
+                group = self.in_flight.get(gid)
+                if group is not None and group.attempt == attempt and gid in self.orchestrator.unfinished:
+                    self.orchestrator.on_request_done(gid, sample)
+
     def prompt_for(self, group_id: int) -> Prompt:
         return self.train_prompts[group_id % len(self.train_prompts)]
 
@@ -453,9 +467,11 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Start every engine and load the current version before the run's clock starts (engine start-up is
-        minutes on a busy machine and is not part of a step); evaluate the current version if it is due and not
-        evaluated yet (version 0, or the checkpoint's version after a resume)."""
+        """Listen to the rollout servers' request ends; start every engine and load the current version before the
+        run's clock starts (engine start-up is minutes on a busy machine and is not part of a step); evaluate the
+        current version if it is due and not evaluated yet (version 0, or the checkpoint's version after a resume)."""
+        self.client.subscribe_topic(request_ends_topic(self.run_tag), lambda event: self._request_ends.put(event[1]))
+        self._listening = True
         v, path = self.gate.newest, self.weights.path_for(self.gate.newest)
         prompt = list(self.train_prompts[0].token_ids)
         futures = [self.client.submit(steps.warm_up_rollout, v, path, prompt, key=self.task_key("warm-up", v, address),

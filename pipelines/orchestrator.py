@@ -35,9 +35,12 @@ their KV use (`on_progress`) free rows and budget request by request. How instan
 switching strategy (`pipelines.switching`: drain, queue or migrate); a migration moves all of a group's unfinished
 requests from one instance to another of the same version.
 
-Simplified from the paper: the Dask driver reports request ends only for responses that moved (and no KV use), so
-there a group that never moved holds its G rows until its last request ends, and a migration target needs room for
-all G; the simulator (`pipelines.simulator`) reports every request end and KV use.
+An instance runs at most `slots` groups at once however many of their rows have ended (on Dask each group started
+there holds one of its worker's ROLLOUT slots until it ends or is handed over; a group moved there counts too).
+
+Simplified from the paper: the Dask driver learns request ends as the rollout servers report them at their chunk
+boundaries, and no KV use (its instances report no KV budget, so KV is never the limit there); the simulator
+(`pipelines.simulator`) reports every request end at once, and KV use.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ class OrchestratorInvariantError(AssertionError):
 @dataclass
 class Instance:
     address: str
-    slots: int  # groups it runs at once when every request of a group runs to the end
+    slots: int  # groups it runs at once (its rows: slots * group_size)
     version: int | None = None  # version its new groups start on (the newest it holds); None before the first load
     running: set[int] = field(default_factory=set)  # groups with unfinished requests here
     kv_budget: int = 0  # KV-cache tokens it holds (0: not reported, never a limit)
@@ -275,7 +278,7 @@ class Orchestrator:
 
     def _fill(self, inst: Instance, capacity: int, actions: list) -> int:
         """Start groups in `inst`'s free rows; returns the capacity left."""
-        while self.free_rows(inst) >= self.group_size:
+        while self.free_rows(inst) >= self.group_size and len(inst.running) < inst.slots:
             start = self._next_start(inst, capacity)
             if start is None:
                 break

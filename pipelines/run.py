@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,7 @@ from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.episodes import EpisodeSpec
 from dora_tasks.workloads.datasets import load_prompts, rows_to_prompts, split_eval
 from dora_tasks.workloads.rewards import check_reward_fn
-from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans
+from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans, request_ends_topic
 from pipelines.cluster import TRAINER, connect, required_roles, wait_for_workers, worker_wait_s
 from pipelines.driver import POLL_S, Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
@@ -253,14 +254,15 @@ def engine_options(cfg: Config) -> dict:
 
 
 def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str, clock: Clock,
-                     code: UserCode | None = None) -> None:
+                     code: UserCode | None = None, run_tag: str = "") -> None:
     """The engines' plugins on every worker; with an environment (given in Python, or task.environment), rollouts
-    are multi-turn episodes."""
+    are multi-turn episodes. With `run_tag`, rollout servers report request ends to that run's driver."""
     options = engine_options(cfg)
     episodes = EpisodeSpec.of(cfg.task)
     if episodes is not None and code is not None and code.environment:
         episodes = dataclasses.replace(episodes, environment=code.environment)
-    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock, episodes=episodes))
+    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock, episodes=episodes,
+                                         request_ends_topic=request_ends_topic(run_tag) if run_tag else ""))
     client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock,
                                          base_path=model_path))
 
@@ -419,14 +421,15 @@ def open_run(cfg: Config | None, resume_dir: str = "", overrides: list[str] | No
         publish_initial(weights, model_path)
         model_path = weights.share_initial(model_path, overwrite=not resume_dir)  # on an object store: a copy there
         clock = cfg.clock(origin=time.time())
-        register_plugins(client, cfg, weights.root, model_path, clock, p.code)
+        run_tag = uuid.uuid4().hex[:8]
+        register_plugins(client, cfg, weights.root, model_path, clock, p.code, run_tag)
         start_reward_model(client, cfg)  # with `reward.model`: loaded on its workers before the clock starts
         run_log.say(f"Dask dashboard {client.dashboard_link}")
         tracker = stack.enter_context(Tracker(cfg, resume=bool(resume_dir)))
         live = live_view(cfg, clock, run_log.terminal)
         stack.callback(live.close)
         driver = Driver(cfg, client, gate, orch, store, weights, model_path, p.train_prompts, p.eval_prompts,
-                        p.checkpoints, clock=clock, reward_fn=p.code.reward)
+                        p.checkpoints, clock=clock, reward_fn=p.code.reward, run_tag=run_tag)
         stack.callback(driver.close)
         yield _started(Run(cfg, driver, tracker, live, p.checkpoints), ckpt, bool(resume_dir))
 

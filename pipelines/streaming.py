@@ -4,13 +4,14 @@
                   ROLLOUT            CPU                 CPU                 CPU        TRAINER
                                       └─► reward-model(groups) ─┘ REWARD, with `reward.model`
 
-The graph is never precomputed. Each turn of the loop (1) lets the orchestrator start new groups on the newest
-version, move idle instances and (`rollout.switching=migrate`) move running responses between instances of their
-version, (2) asks the version gate whether update `u` may start, submitting
-gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`, the batch of `u + 1` can be handed over
-while `u` still trains), (3) waits for whichever future finishes first, and (4) scores the groups whose rollout
-ended, with one reward and one advantage task for those of one instance. Groups of several versions are in flight at
-once; finished groups stream into the next batch; the gate keeps every batch within K versions.
+The graph is never precomputed. Each turn of the loop (1) lets the orchestrator, told which responses the rollout
+servers reported ended (their rows are free), start new groups on the newest version, move idle instances and
+(`rollout.switching=migrate`) move running responses between instances of their version, (2) asks the version gate
+whether update `u` may start, submitting gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`,
+the batch of `u + 1` can be handed over while `u` still trains), (3) waits for whichever future finishes first, and
+(4) scores the groups whose rollout ended, with one reward and one advantage task for those of one instance. Groups
+of several versions are in flight at once; finished groups stream into the next batch; the gate keeps every batch
+within K versions.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def stream(d: Driver, on_turn=None) -> None:
     """Drive the run to `dora.num_updates`; `on_turn(driver)` is called once a turn (tests inject faults there)."""
     while d.gate.next_update < d.cfg.dora.num_updates:
         d.sync_instances()
+        d.take_request_ends()  # responses that ended free their rows, request by request
         for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v)

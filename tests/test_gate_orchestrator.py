@@ -249,6 +249,29 @@ def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_no
     orch.validate()
 
 
+def test_request_ends_the_servers_report_free_rows_and_stale_reports_change_nothing():
+    from dora_tasks.core.config import load_config
+    from pipelines.driver import Driver, InFlight
+
+    orch = Orchestrator(rollout_batch_size=4, group_budget=8, group_size=4)
+    orch.add_instance("a", 1)
+    orch.add_instance("b", 1)
+    starts = [s for s in orch.decide(capacity=4) if isinstance(s, Start)]
+    assert [(s.instance, s.group_id) for s in starts] == [("a", 0), ("b", 1)]
+    driver = Driver(load_config(None, []), None, VersionGate(1, 4), orch, None, None, "", [], [])
+    for s in starts:
+        driver.in_flight[s.group_id] = InFlight(s.group_id, 0, 1, [], s.instance)  # attempt 1
+    driver._request_ends.put([[0, 1, 2], [0, 1, 3], [1, 0, 0], [7, 1, 0]])  # group 1's attempt 0, group 7: gone
+    driver._request_ends.put([[0, 1, 2]])  # reported again
+    driver.take_request_ends()
+    assert orch.unfinished == {0: {0, 1}, 1: {0, 1, 2, 3}} and orch.rows_used == {"a": 2, "b": 4}
+    driver._request_ends.put([[0, 1, 0], [0, 1, 1]])
+    driver.take_request_ends()
+    assert orch.rows_used["a"] == 0 and 0 in orch.running  # its rollout task has not answered yet
+    assert not [s for s in orch.decide(capacity=4) if isinstance(s, Start)]  # it still holds "a"'s one slot
+    orch.validate()
+
+
 def test_retaining_weights_keeps_a_version_the_trainer_published_ahead_of_the_driver(tmp_path):
     """With update lookahead the trainer can publish v+1 before the driver has taken in v's publish: the driver's
     clean-up after v must not delete v+1, which a rollout may be about to load (a run failed on exactly this:

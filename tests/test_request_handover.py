@@ -254,6 +254,21 @@ def test_a_server_hands_a_response_over_and_another_continues_it_exactly(policy,
             assert g.token_ids.tolist() == reference[i].token_ids.tolist()
 
 
+def test_a_server_reports_each_response_that_ended_once_and_none_it_handed_over(policy):
+    at_home, away_ended = [], []
+    home = served(policy, on_rows_ended=at_home.extend)
+    away = served(policy, on_rows_ended=away_ended.extend)
+    result, moved = hand_over_one(home, PROMPTS[1], 3, 11)
+    assert len(moved) == 1, "every response ended before a chunk boundary"
+    away.resume(moved[0], "")
+    home.generate(0, "", PROMPTS[0], 2, 5)  # no request id: nothing to report
+    for server in (home, away):
+        server.close()
+    sample = moved[0].sample_index
+    assert sorted(at_home) == [(("group", 7), s) for s in range(3) if s != sample]
+    assert away_ended == [(("group", 7), sample)]  # by the server it ended on
+
+
 def test_a_server_without_the_cache_resumes_by_a_measured_reprefill(policy):
     home, away = served(policy, keep_kv_cache=False), served(policy, keep_kv_cache=False)
     _, (c,) = hand_over_one(home, PROMPTS[3], 2, 5)

@@ -154,7 +154,7 @@ def test_migrating_run_keeps_the_orchestrators_running_totals():
     assert sim.record.migrations[0] > 0
 
 
-def test_group_reports_tell_the_orchestrator_only_what_the_dask_driver_learns():
+def test_group_reports_tell_the_orchestrator_only_what_task_ends_say():
     told = {"request_done": set(), "progress": 0}
     changes = {"switching": "migrate", "max_rows": 16, "reports": "group"}
     sim = Simulation(SimConfig(mode="dora", check=True, **{**SMALL, **changes}), COST, LONG_TAIL)

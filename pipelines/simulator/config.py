@@ -28,8 +28,8 @@ class SimConfig:
     check: bool = False  # validate the gate and the orchestrator after every decision
     versions_per_instance: int = 1  # M versions one instance serves at once (LoRA adapters; dora with drain only)
     # what the orchestrator is told: "request" (every request end and KV use, a moved group there at once) or
-    # "group" (request ends only of groups that moved, no KV use, a moved group "arriving" until it ends: what the
-    # Dask driver learns from its tasks)
+    # "group" (request ends only of groups that moved, no KV use, a moved group "arriving" until it ends: what a
+    # driver learns from its tasks' ends alone)
     reports: str = "request"
 
     def validate(self) -> "SimConfig":
