@@ -164,7 +164,7 @@ def test_one_hand_over_order_per_source_names_every_group_it_gives_away_and_each
         d._queue_order(SimpleNamespace(group_id=gid, version=2, attempt=gid % 2), source, target)
     d.send_orders()
     assert not d.outbox
-    sent = {kw["workers"][0]: args[1] for args, kw in d.hand_over_pool.sent}  # source -> the request ids its one order names
+    sent = {kw["workers"][0]: args[1] for args, kw in d.hand_over_pool.sent}  # source -> request ids of its order
     assert sent == {"a": [(0, 0), (1, 1), (3, 1)], "b": [(2, 0)]}
     task_a = next(t for t in d.tracked.values() if t.source == "a")
     answer = ThreadFuture()
