@@ -169,6 +169,23 @@ def test_group_reports_tell_the_orchestrator_only_what_task_ends_say():
     assert told["request_done"] and told["request_done"] <= set(moved) and told["progress"] == 0
 
 
+def test_moved_requests_decode_nowhere_while_in_transit():
+    """With a hand-over time a moved group reaches its target that much later, is "arriving" until then, and the
+    run still trains every group once within K."""
+    sent, arrived = {}, {}
+    changes = {"switching": "migrate", "max_rows": 16, "handover_s": 30.0}
+    sim = Simulation(SimConfig(mode="dora", check=True, **{**SMALL, **changes}),
+                     COST, LONG_TAIL)
+    act, on_arrived = sim._act, sim.orchestrator.on_arrived
+    sim._act = lambda a: (sent.setdefault(a.group_id, sim.now) if type(a).__name__ == "Migrate" else None, act(a))
+    sim.orchestrator.on_arrived = lambda g: (arrived.setdefault(g, sim.now), on_arrived(g))
+    r = sim.run().result()
+    assert sent and r.c2_ok and r.c3_ok and r.c1_mixed_trajectories == 0
+    assert arrived and arrived.keys() <= sent.keys() and all(arrived[g] - sent[g] >= 30.0 for g in arrived)
+    with pytest.raises(ValueError, match="handover_s"):
+        SimConfig(handover_s=-1.0).validate()
+
+
 # ---- simulated runs ------------------------------------------------------------------------------------------------
 def run(mode, **changes):
     sim = Simulation(SimConfig(mode=mode, check=True, **{**SMALL, **changes}), COST, LONG_TAIL)

@@ -19,7 +19,7 @@ FLAGS = {  # flag -> SimConfig field
     "rbs": "rollout_batch_size", "prompts_per_step": "prompts_per_step", "group_size": "group_size",
     "trainer_gpus": "trainer_gpus", "steps": "steps", "warmup_steps": "warmup_steps", "switching": "switching",
     "max_rows": "max_rows", "decision_interval": "decision_interval_s",
-    "versions_per_instance": "versions_per_instance",
+    "versions_per_instance": "versions_per_instance", "handover_s": "handover_s",
 }
 
 
@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--switching", choices=("drain", "queue", "migrate"), help="how instances leave old versions")
     p.add_argument("--max-rows", type=int, help="rows one engine decodes at once (default 256)")
     p.add_argument("--decision-interval", type=float, help="seconds between orchestrator turns (default 1)")
+    p.add_argument("--handover-s", type=float, metavar="S",
+                   help="migrate: seconds a moved group's requests spend between instances (default 0)")
     p.add_argument("--versions-per-instance", type=int, metavar="M",
                    help="versions one instance serves at once, one LoRA adapter each (default 1; needs "
                    "emulation.lora_rank > 0; implies --switching drain)")

@@ -31,6 +31,9 @@ class SimConfig:
     # "group" (request ends only of groups that moved, no KV use, a moved group "arriving" until it ends: what a
     # driver learns from its tasks' ends alone)
     reports: str = "request"
+    # virtual seconds a moved group's requests are between instances (neither decodes them): the Dask driver's order,
+    # the source's chunk boundary and the resume task; 0 moves them at once
+    handover_s: float = 0.0
 
     def validate(self) -> "SimConfig":
         def require(ok: bool, key: str, why: str) -> None:
@@ -53,6 +56,7 @@ class SimConfig:
         require(self.switching in ("drain", "queue", "migrate"), "switching",
                 f"allowed: drain, queue, migrate; got {self.switching!r}")
         require(self.reports in ("request", "group"), "reports", f"allowed: request, group; got {self.reports!r}")
+        require(self.handover_s >= 0, "handover_s", f"must be >= 0, got {self.handover_s}")
         require(self.decision_interval_s >= 0, "decision_interval_s", "must be >= 0")
         require(self.versions_per_instance >= 1, "versions_per_instance",
                 f"must be >= 1, got {self.versions_per_instance}")

@@ -97,6 +97,7 @@ class Simulation:
         self.groups: dict[int, list[Seq]] = {}
         self.left: dict[int, int] = {}  # group -> samples still running
         self.moved: set[int] = set()  # running groups that moved (their request ends are reported in any case)
+        self.in_transit: list[tuple[float, str, int, list[Seq]]] = []  # (arrival, target, group, its requests)
         self.training: BatchDecision | None = None
         self.train_end = INF
         self.ready: dict[int, float] = {}  # version -> when a peer holds it
@@ -113,7 +114,7 @@ class Simulation:
         return self.record
 
     def _next_time(self) -> float:
-        engines = min((e.next_change for e in self.engines.values()), default=INF)
+        engines = min([e.next_change for e in self.engines.values()] + [t for t, *_ in self.in_transit])
         t = min(self.train_end, max(self.now + self.cfg.decision_interval_s, engines))
         if t == INF:
             raise SimulatorError(f"stuck at {self.now:.1f} s: nothing runs and the gate takes nothing "
@@ -125,6 +126,8 @@ class Simulation:
             if engine.next_change <= self.now:
                 self.ended += engine.advance_to(self.now)
         changed = self._collect()
+        if self.in_transit:
+            changed = self._arrive() or changed
         if self.queued_loads:
             self._load_drained()
         if self.train_end <= self.now:
@@ -148,6 +151,18 @@ class Simulation:
                 self.gate.on_complete(seq.group)
         self.ended = []
         return done
+
+    def _arrive(self) -> bool:
+        """Moved groups whose hand-over time has passed join their target's engine."""
+        due = [m for m in self.in_transit if m[0] <= self.now]
+        self.in_transit = [m for m in self.in_transit if m[0] > self.now]
+        for _, address, group, seqs in due:
+            target = self.engines[address]
+            self.sync(target)
+            target.submit(seqs, migrated=True)
+            if self.cfg.reports == "request":
+                self.orchestrator.on_arrived(group)
+        return bool(due)
 
     def _decide(self) -> None:
         # where a migrated group's cache fits (an engine unchanged holds as before)
@@ -174,11 +189,15 @@ class Simulation:
             source, target = self.engines[action.source], self.engines[action.target]
             self.sync(source)
             self.sync(target)
-            target.submit(source.take(action.group_id), migrated=True)
+            seqs = source.take(action.group_id)
             self.moved.add(action.group_id)
+            self.record.migrations[0] += 1
+            if self.cfg.handover_s > 0:
+                self.in_transit.append((self.now + self.cfg.handover_s, action.target, action.group_id, seqs))
+                return
+            target.submit(seqs, migrated=True)
             if self.cfg.reports == "request":
                 self.orchestrator.on_arrived(action.group_id)  # a move takes no time here
-            self.record.migrations[0] += 1
             return
         engine = self.engines[action.instance]
         self.sync(engine)
