@@ -4,14 +4,16 @@
     python benchmarks/migration_trace.py --instances 16 --slots 24 --trainer-gpus 28 --out /tmp/trace16 \
         rollout.switching=drain emulation.response_p50=1286.3        # config overrides at the end
 
-The run is `switching_scale`'s (same config and cluster; `rollout.switching=migrate` unless overridden). The driver's
-events (`Migrate`, `ResponsesHandedOver`, `GroupRolledOut`, `Published`) go to `<out>/events.jsonl`; from them and
-the trajectory store it prints, in emulated seconds:
+The run is `switching_scale`'s (same config and cluster; `rollout.switching=migrate` unless overridden). The
+driver's events (`Migrate`, `ResponsesHandedOver`, `GroupRolledOut`, `Published`, `Load`) go to
+`<out>/events.jsonl`; from them and the trajectory store it prints, in emulated seconds:
 * hand-over orders: how many, how many found nothing running, and the time from the orchestrator's decision to the
   source's answer (p50 / p90 / max);
 * moved responses: in all, received per instance, and their time in transit (left the source -> joined the target);
 * each update's start, and the groups that rolled out last with where their longest response ran and moved:
-  under bounded staleness an update waits for the slowest group of the oldest version it must take.
+  under bounded staleness an update waits for the slowest group of the oldest version it must take;
+* the open bubble split by cause: each idle gap of an instance (its engine's busy spans, kept in `<out>/busy.json`)
+  by whether the instance handed responses over, loaded a version, received responses, or none of these.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.switching_scale import parse as scale_parse, settings  # noqa: E402 - after the path
 
-TRACED = ("Migrate", "ResponsesHandedOver", "GroupRolledOut", "Published")
+TRACED = ("Migrate", "ResponsesHandedOver", "GroupRolledOut", "Published", "Load")
 
 
 def traced_run(args) -> dict:
@@ -59,20 +61,29 @@ def traced_run(args) -> dict:
         return Traced()
 
     run_module.open_run = open_traced
+    summarized = run_module.timing_summary
+
+    def keep_busy_spans(timeline, busy, last_dispatch):
+        with open(os.path.join(args.out, "busy.json"), "w") as f:
+            json.dump({"busy": busy, "last_dispatch": last_dispatch}, f)
+        return summarized(timeline, busy, last_dispatch)
+
+    run_module.timing_summary = keep_busy_spans
     cluster, address, _ = CliCluster.start(cfg, args.instances[0])
     try:
         cfg.cluster.scheduler_address = address
         return run_and_measure(cfg, psutil.Process(cluster.scheduler_pid), cluster.worker_processes())
     finally:
         cluster.stop()
-        run_module.open_run = opened
+        run_module.open_run, run_module.timing_summary = opened, summarized
 
 
 def write_event(log, now: float, event) -> None:
     name = type(event).__name__
     if name not in TRACED:
         return
-    fields = {k: getattr(event, k) for k in ("group_id", "samples", "source", "target") if hasattr(event, k)}
+    fields = {k: getattr(event, k) for k in ("group_id", "samples", "source", "target", "instance", "version")
+              if hasattr(event, k)}
     log.write(json.dumps({"t": now, "type": name, **{k: list(v) if isinstance(v, tuple) else v
                                                        for k, v in fields.items()}}) + "\n")
 
@@ -120,6 +131,36 @@ def report(out: str, slowest: int = 8) -> str:
     return "\n".join(lines)
 
 
+def idle_report(out: str) -> str:
+    """The open bubble split by what each idle gap's instance was doing: it had handed responses over (a leaver),
+    loaded a version without handing any over (a drain switch), or neither (it had no work)."""
+    from benchmarks.rollout_gaps import idle_gaps
+    from pipelines.metrics import WARMUP_UPDATES
+
+    path = os.path.join(out, "busy.json")
+    if not os.path.exists(path):
+        return "open bubble by cause: no busy.json (the run was traced before it was kept)"
+    kept = json.load(open(path))
+    events = [json.loads(line) for line in open(os.path.join(out, "events.jsonl"))]
+    published = [e["t"] for e in events if e["type"] == "Published"]
+    start, end = published[min(WARMUP_UPDATES, len(published)) - 1], kept["last_dispatch"]
+    causes: collections.Counter = collections.Counter()
+    for address, spans in kept["busy"].items():
+        for s, e in idle_gaps(spans, start, end):
+            near = [x for x in events if s - 1.0 <= x["t"] <= e]
+            if any(x["type"] == "Migrate" and x.get("source") == address for x in near):
+                causes["handed responses over (leaver)"] += e - s
+            elif any(x["type"] == "Load" and x.get("instance") == address for x in near):
+                causes["loaded a version, nothing handed over"] += e - s
+            elif any(x["type"] == "Migrate" and x.get("target") == address for x in near):
+                causes["received responses"] += e - s
+            else:
+                causes["no load, no move (no work)"] += e - s
+    total = len(kept["busy"]) * max(1e-9, end - start)
+    return (f"open bubble by cause (window {end - start:.0f} s x {len(kept['busy'])} instances): "
+            + ", ".join(f"{cause} {t / total:.1%}" for cause, t in causes.most_common()))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the run's folder (kept): run, store, events.jsonl")
@@ -132,6 +173,7 @@ def main(argv=None) -> int:
         print(f"tokens/s {row['throughput']:,.0f}, open bubble {row['open_bubble']:.1%}, "
               f"audit {'PASS' if row['audit_ok'] else 'FAIL'}, machine {row['machine_share']:.0%} busy")
     print(report(scale.out))
+    print(idle_report(scale.out))
     return 0
 
 

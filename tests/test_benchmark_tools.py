@@ -34,6 +34,23 @@ def test_gap_report_classes_gaps_by_the_driver_state_before_them():
     assert "idle 6.0% in 2 gaps" in text
 
 
+def test_migration_trace_splits_the_open_bubble_by_what_each_idle_instance_did(tmp_path):
+    import json
+
+    events = [{"t": 0.0, "type": "Published"}, {"t": 10.0, "type": "Published"},
+              {"t": 20.0, "type": "Migrate", "group_id": 1, "source": "a", "target": "b"},
+              {"t": 30.0, "type": "Load", "instance": "c", "version": 2}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    busy = {"a": [(0.0, 20.0), (40.0, 110.0)], "b": [(0.0, 110.0)], "c": [(0.0, 30.0), (60.0, 110.0)],
+            "d": [(0.0, 50.0), (60.0, 110.0)]}
+    (tmp_path / "busy.json").write_text(json.dumps({"busy": busy, "last_dispatch": 110.0}))
+    text = load("migration_trace").idle_report(str(tmp_path))  # window 10..110 s, 4 instances: 400 s
+    assert "window 100 s x 4 instances" in text
+    assert "handed responses over (leaver) 5.0%" in text  # a: 20..40
+    assert "loaded a version, nothing handed over 7.5%" in text  # c: 30..60
+    assert "no load, no move (no work) 2.5%" in text  # d: 50..60
+
+
 def test_task_overhead_table_sums_the_processes_and_compares_each_shape_with_the_pipelines():
     table = load("task_overhead").table
     run = {"driver + scheduler": 10.0, "rollout instances": 4.0, "reward/advantage": 5.0, "trainer": 1.0, "wall": 12.0,
