@@ -49,7 +49,7 @@ class RolloutPlugin(WorkerPlugin):
     engine_options: dict = field(default_factory=dict)  # passed on to the engine (`make_rollout_engine`)
     clock: Clock = field(default_factory=Clock)  # the run's clock: timestamps of groups and busy spans
     episodes: EpisodeSpec | None = None  # multi-turn episodes with an environment (`dora_tasks.episodes`), if set
-    request_ends_topic: str = ""  # where the server's request ends go (Dask events: `worker.log_event`); "": nowhere
+    reports_topic: str = ""  # where the server's chunk reports go (Dask events: `worker.log_event`); "": nowhere
     name: str = ROLLOUT_PLUGIN
 
     def setup(self, worker) -> None:
@@ -78,14 +78,23 @@ class RolloutPlugin(WorkerPlugin):
         self.server = RolloutServer(make_engine, policy,
                                     self.rollout.chunk_tokens, keep_kv_cache=self.rollout.keep_kv_cache,
                                     row_streams=self.rollout.per_row_streams,
-                                    on_rows_ended=self._reporter(worker))
+                                    on_report=self._reporter(worker))
 
     def _reporter(self, worker):
-        """Request ends as Dask events to the driver: [group id, attempt, sample] each (msgpack takes lists)."""
-        topic = self.request_ends_topic
+        """Chunk reports as Dask events to the driver (msgpack takes lists): the instance, each ended response as
+        [group id, attempt, sample], and, where requests migrate, each request's KV tokens as [group id, attempt,
+        tokens] (the orchestrator places moved requests within the receivers' KV budgets)."""
+        topic = self.reports_topic
         if not topic:
             return None
-        return lambda ended: worker.log_event(topic, [[*request, sample] for request, sample in ended])
+        with_kv = self.rollout.switching == "migrate"
+
+        def report(r) -> None:
+            held = [[*request, tokens] for request, tokens in r.held] if with_kv else []
+            if r.ended or held:
+                worker.log_event(topic, {"instance": worker.address, "held": held,
+                                         "ended": [[*request, sample] for request, sample in r.ended]})
+        return report
 
     def teardown(self, worker) -> None:
         if getattr(self, "server", None) is not None:
@@ -150,9 +159,9 @@ class TrainerPlugin(WorkerPlugin):
             self.engine = None
 
 
-def request_ends_topic(run_tag: str) -> str:
-    """The Dask event topic of one run's request ends (a run's own: runs follow one another on one cluster)."""
-    return f"dora-request-ends-{run_tag}"
+def reports_topic(run_tag: str) -> str:
+    """The Dask event topic of one run's chunk reports (a run's own: runs follow one another on one cluster)."""
+    return f"dora-server-reports-{run_tag}"
 
 
 def rollout_server():

@@ -42,7 +42,7 @@ class PartialResponse:
     limit: int | None = None  # a turn's own budget, below the engine's (None: the engine's)
     stop: TurnEnd | None = None  # ends the turn early (a stop string of an episode)
     stopped: bool = False  # the turn ended at `stop`
-    reported: bool = False  # its end was reported (`RolloutServer`'s `on_rows_ended`)
+    reported: bool = False  # its end was reported (`server_requests.chunk_report`)
 
     @classmethod
     def continuing(cls, c: Continuation) -> PartialResponse:

@@ -55,7 +55,8 @@ from dora_tasks.core.contracts import DecodeSession, RolloutEngine
 from dora_tasks.core.handover import Continuation, Resumed, check_version
 from dora_tasks.core.records import Generation
 from dora_tasks.rollout_rows import PartialResponse, TurnEnd
-from dora_tasks.server_requests import HandOver, Request, fail, hand_back_finished, hand_over_row, place
+from dora_tasks.server_requests import (ChunkReport, HandOver, Request, chunk_report, fail, hand_back_finished,
+                                       hand_over_row, place)
 from dora_tasks.server_sessions import ReencodingSession, open_versions_session
 from dora_tasks.version_policy import DispatchVersion, VersionPolicy
 
@@ -77,7 +78,7 @@ class BusyLog:
 class RolloutServer:
     def __init__(self, make_engine: Callable[[], RolloutEngine], policy: VersionPolicy | None = None,
                  chunk_tokens: int = 0, *, keep_kv_cache: bool = True, row_streams: bool = False,
-                 on_rows_ended: Callable[[list[tuple[Hashable, int]]], None] | None = None):
+                 on_report: Callable[[ChunkReport], None] | None = None):
         """`policy`: which version a batch runs on and who joins it (default `DispatchVersion`, DORA's).
         `chunk_tokens` > 0: continuous batching in chunks of that many tokens (0: static batches, one chunk of
         the whole response budget).
@@ -87,11 +88,11 @@ class RolloutServer:
         request's seed and sample index, so that a handed-over response continues exactly as it would have at
         home; off, the rows of a chunk draw from one stream seeded per chunk (a handed-over response then continues
         from the receiver's stream: the same distribution, other tokens).
-        `on_rows_ended`: called from the engine thread at each chunk boundary with (request id, sample index) of
-        the responses of named requests that ended in the chunk (not those handed over): the orchestrator frees
-        their rows request by request."""
+        `on_report`: called from the engine thread at each chunk boundary with what its named requests did
+        (`ChunkReport`: the responses that ended, the KV tokens each request holds): the orchestrator frees rows
+        request by request and places moved requests within the receivers' KV budgets."""
         self._make_engine = make_engine
-        self._on_rows_ended = on_rows_ended
+        self._on_report = on_report
         self._policy = policy if policy is not None else DispatchVersion()
         self._chunk = chunk_tokens
         self._keep_kv_cache = keep_kv_cache
@@ -298,7 +299,7 @@ class RolloutServer:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                 self._give_away(session, active, budget)
-                self._report_ended(active, budget)
+                self._report(active, budget)
                 active, pending = self._end_turn(active, budget)
         except BaseException as exc:
             fail([r for r, _ in active] + pending, exc)
@@ -325,7 +326,7 @@ class RolloutServer:
                     self._decode_chunk(session, live, budget, active[0][0].seed + CHUNK_SEED_STRIDE * chunk_index)
                     chunk_index += 1
                 self._give_away(session, [], budget)  # no running row is offered: orders get nothing
-                self._report_ended(active, budget)
+                self._report(active, budget)
                 active = hand_back_finished(active, budget)
                 pending = self._admit(list(dict.fromkeys(r.version for r, _ in active)))
         except BaseException as exc:
@@ -399,17 +400,12 @@ class RolloutServer:
             order.result = [hand_over_row(session, r, s, budget) for r, s in order.choose(running)]
             order.done.set()
 
-    def _report_ended(self, active: list, budget: int) -> None:
-        if self._on_rows_ended is None:
+    def _report(self, active: list, budget: int) -> None:
+        if self._on_report is None:
             return
-        ended = []
-        for request, states in active:
-            for s in states:
-                if request.request_id is not None and not s.reported and s.handed_over is None and s.done(budget):
-                    s.reported = True
-                    ended.append((request.request_id, s.sample_index))
-        if ended:
-            self._on_rows_ended(ended)
+        report = chunk_report(active, budget)
+        if report.ended or report.held:
+            self._on_report(report)
 
     def _decode_chunk(self, session: DecodeSession, live: dict, budget: int, seed: int) -> None:
         """One chunk of every live response: `chunk_tokens`, or the rest of its budget (0: static batches)."""

@@ -33,6 +33,36 @@ class Request:
 
 
 @dataclass
+class ChunkReport:
+    """What a server tells of its named requests at a chunk boundary: the responses that ended in the chunk
+    (request id, sample index; not those handed over) and the KV tokens (prompt and tokens so far) the unfinished
+    responses of each request still hold on it (a request with none left here is not named)."""
+
+    ended: list[tuple[Hashable, int]]
+    held: list[tuple[Hashable, int]]
+
+
+def chunk_report(active: list[tuple[Request, list[PartialResponse]]], budget: int) -> ChunkReport:
+    """Marks the ended responses it names as reported: each end is told once."""
+    ended, held = [], []
+    for request, states in active:
+        if request.request_id is None:
+            continue
+        tokens = 0
+        for s in states:
+            if s.handed_over is not None:
+                continue
+            if not s.done(budget):
+                tokens += len(s.prompt_ids) + len(s.tokens)
+            elif not s.reported:
+                s.reported = True
+                ended.append((request.request_id, s.sample_index))
+        if tokens:
+            held.append((request.request_id, tokens))
+    return ChunkReport(ended, held)
+
+
+@dataclass
 class HandOver:
     """An order to give away running responses at the next chunk boundary: `count` of them (fewest tokens first:
     the cheapest to move, the most budget left), or every one of the requests named."""

@@ -40,7 +40,7 @@ from dora_tasks import steps
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.config import Config
 from dora_tasks.core.records import Group, Prompt, UpdateResult
-from dora_tasks.plugins import request_ends_topic
+from dora_tasks.plugins import reports_topic
 from pipelines.cluster import CPU, REWARD_MODEL, ROLLOUT, TRAINER, PausedWorkers, Workers, labelled_workers
 from pipelines.evaluation import Evaluations
 from pipelines.events import (EvaluationTask, Event, GroupOrder, GroupRolledOut, GroupsScored, HandOverTask, Published,
@@ -76,6 +76,15 @@ def engine_batch_rows(cfg: Config) -> int:
     `emulation.max_rows`, like vLLM's max_num_seqs): the orchestrator then knows which rows queue inside an engine
     (what `switching=migrate` moves). 0: every row of its groups decodes at once (the transformers engine)."""
     return cfg.emulation.max_rows if cfg.emulated else 0
+
+
+def engine_kv_budget(cfg: Config) -> int:
+    """KV-cache tokens one instance's engine holds, where the driver knows it (the emulated engine's cost model): the
+    orchestrator moves a request only to an instance with room for its cache. 0: not known, never a limit."""
+    if not cfg.emulated:
+        return 0
+    from dora_tasks.emulation.cost_model import cost_model_from
+    return cost_model_from(cfg.emulation).kv_capacity_tokens()
 
 
 @dataclass
@@ -115,8 +124,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
-    _request_ends: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # servers' reports, as they come
-    _listening: bool = False  # subscribed to the servers' reports of request ends
+    _server_reports: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # servers' chunk reports
+    _listening: bool = False  # subscribed to the servers' chunk reports
     outbox: dict[str, list[GroupOrder]] = field(default_factory=dict)  # source -> hand-over orders not sent yet
     hand_over_pool: ThreadPoolExecutor = field(  # sends hand-over orders (`client.run` waits for a chunk boundary)
         default_factory=lambda: ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="dora-hand-over"))
@@ -129,7 +138,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
     def close(self) -> None:
         self.hand_over_pool.shutdown(wait=False, cancel_futures=True)
         if self._listening:
-            self.client.unsubscribe_topic(request_ends_topic(self.run_tag))
+            self.client.unsubscribe_topic(reports_topic(self.run_tag))
         self.release_futures()
 
     def release_futures(self) -> None:
@@ -258,8 +267,9 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         for address in list(self.orchestrator.instances):
             if address not in workers.rollout:
                 self.restart_groups_of(address)
+        kv_budget, batch_rows = engine_kv_budget(self.cfg), engine_batch_rows(self.cfg)
         for address, slots in workers.rollout.items():
-            self.orchestrator.add_instance(address, slots, batch_rows=engine_batch_rows(self.cfg))
+            self.orchestrator.add_instance(address, slots, kv_budget=kv_budget, batch_rows=batch_rows)
 
     def check_workers(self) -> Workers:
         """The cluster's labelled workers; raises `ClusterError` once one has stayed paused too long."""
@@ -283,14 +293,24 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             self.restart_group(gid, f"instance {address} lost")
 
     # ---- rollout side --------------------------------------------------------------------------------------------
-    def take_request_ends(self) -> None:
-        """The responses the rollout servers reported ended since the last turn free their rows in the orchestrator
-        (a report of an attempt given up on, or of a group whose rollout ended since, changes nothing)."""
-        while not self._request_ends.empty():
-            for gid, attempt, sample in self._request_ends.get():
-                group = self.in_flight.get(gid)
-                if group is not None and group.attempt == attempt and gid in self.orchestrator.unfinished:
+    def take_server_reports(self) -> None:
+        """The rollout servers' chunk reports since the last turn: responses that ended free their rows in the
+        orchestrator, and a running group's KV tokens, as told by the instance the orchestrator has it on, are
+        counted on it (a report of an attempt given up on, or of a group whose rollout ended since, changes
+        nothing; nor does one from the instance a group is being moved away from)."""
+        while not self._server_reports.empty():
+            report = self._server_reports.get()
+            for gid, attempt, sample in report["ended"]:
+                if self._current(gid, attempt) and gid in self.orchestrator.unfinished:
                     self.orchestrator.on_request_done(gid, sample)
+            for gid, attempt, tokens in report["held"]:
+                where = self.orchestrator.running.get(gid)
+                if self._current(gid, attempt) and where is not None and where[1] == report["instance"]:
+                    self.orchestrator.on_progress(gid, tokens)
+
+    def _current(self, gid: int, attempt: int) -> bool:
+        group = self.in_flight.get(gid)
+        return group is not None and group.attempt == attempt
 
     def prompt_for(self, group_id: int) -> Prompt:
         return self.train_prompts[group_id % len(self.train_prompts)]
@@ -467,10 +487,10 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
 
     # ---- start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Listen to the rollout servers' request ends; start every engine and load the current version before the
+        """Listen to the rollout servers' chunk reports; start every engine and load the current version before the
         run's clock starts (engine start-up is minutes on a busy machine and is not part of a step); evaluate the
         current version if it is due and not evaluated yet (version 0, or the checkpoint's version after a resume)."""
-        self.client.subscribe_topic(request_ends_topic(self.run_tag), lambda event: self._request_ends.put(event[1]))
+        self.client.subscribe_topic(reports_topic(self.run_tag), lambda event: self._server_reports.put(event[1]))
         self._listening = True
         v, path = self.gate.newest, self.weights.path_for(self.gate.newest)
         prompt = list(self.train_prompts[0].token_ids)

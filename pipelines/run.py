@@ -35,7 +35,7 @@ from dora_tasks.model import CharTokenizer, load_tokenizer
 from dora_tasks.episodes import EpisodeSpec
 from dora_tasks.workloads.datasets import load_prompts, rows_to_prompts, split_eval
 from dora_tasks.workloads.rewards import check_reward_fn
-from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans, request_ends_topic
+from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans, reports_topic
 from pipelines.cluster import TRAINER, connect, required_roles, wait_for_workers, worker_wait_s
 from pipelines.driver import POLL_S, Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
@@ -256,13 +256,13 @@ def engine_options(cfg: Config) -> dict:
 def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: str, clock: Clock,
                      code: UserCode | None = None, run_tag: str = "") -> None:
     """The engines' plugins on every worker; with an environment (given in Python, or task.environment), rollouts
-    are multi-turn episodes. With `run_tag`, rollout servers report request ends to that run's driver."""
+    are multi-turn episodes. With `run_tag`, rollout servers report to that run's driver."""
     options = engine_options(cfg)
     episodes = EpisodeSpec.of(cfg.task)
     if episodes is not None and code is not None and code.environment:
         episodes = dataclasses.replace(episodes, environment=code.environment)
     client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock, episodes=episodes,
-                                         request_ends_topic=request_ends_topic(run_tag) if run_tag else ""))
+                                         reports_topic=reports_topic(run_tag) if run_tag else ""))
     client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock,
                                          base_path=model_path))
 

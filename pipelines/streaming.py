@@ -26,7 +26,7 @@ def stream(d: Driver, on_turn=None) -> None:
     """Drive the run to `dora.num_updates`; `on_turn(driver)` is called once a turn (tests inject faults there)."""
     while d.gate.next_update < d.cfg.dora.num_updates:
         d.sync_instances()
-        d.take_request_ends()  # responses that ended free their rows, request by request
+        d.take_server_reports()  # responses that ended free their rows; KV tokens held, where requests migrate
         for action in d.orchestrator.decide(d.gate.capacity()):  # new prompts -> newest version
             if isinstance(action, Start):
                 d.submit_group(action)  # rollout(v)

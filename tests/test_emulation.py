@@ -205,6 +205,37 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
     assert np.all(np.diff(updates["end"]) > 0) and updates["end"][-1] - updates["start"][0] > streamed
 
 
+def test_an_emulated_migrating_run_places_moves_by_the_kv_tokens_its_servers_report(tmp_path):
+    """The rollout servers' chunk reports reach the driver through Dask events: the orchestrator knows each
+    instance's KV budget and the tokens its running groups hold, as the simulator does."""
+    from pipelines.driver import engine_kv_budget
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+
+    cfg = load_config(None, EMULATED + [
+        "rollout.instances=4", "rollout.slots=3", "rollout.group_size=4", "rollout.max_new_tokens=4096",
+        "rollout.chunk_tokens=256", "rollout.switching=migrate", "emulation.response_p50=300",
+        "emulation.speedup=100", "emulation.max_rows=8", "dora.train_batch_size=4", "dora.rollout_batch_size=12",
+        "dora.num_updates=4", "dora.max_staleness=1", "task.num_prompts=64", "task.eval_prompts=4",
+        "cluster.cpu_workers=1", "cluster.cpu_threads=2", "cluster.worker_memory=1GiB", "tracking.plots=false",
+        "tracking.live_view=false", f"storage.run_dir={tmp_path / 'run'}",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db"])
+    seen = {"held": 0, "groups": 0}
+
+    def probe(d) -> None:
+        orch = d.orchestrator
+        assert all(i.kv_budget == engine_kv_budget(cfg) > 0 for i in orch.instances.values())
+        assert all(orch.kv_held[a] == sum(orch.tokens.get(g, 0) for g in i.running) for a, i in orch.instances.items())
+        seen["held"] = max(seen["held"], max(orch.kv_held.values(), default=0))
+        seen["groups"] = max(seen["groups"], len(orch.tokens))
+
+    with open_run(cfg) as run:
+        stream(run.driver, probe)
+        summary = run.finish()
+    assert summary.audit_ok, summary.audit_text
+    assert seen["held"] > 0 and seen["groups"] > 1, seen
+
+
 def test_the_run_is_tagged_emulated_for_mlflow():
     from pipelines.tracking import run_tags
 

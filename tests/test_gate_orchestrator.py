@@ -249,6 +249,11 @@ def test_a_lost_instance_also_restarts_the_groups_it_generated_but_which_were_no
     orch.validate()
 
 
+def ends(*rows) -> dict:
+    """A server's chunk report (as `RolloutPlugin` sends it) of ended responses only."""
+    return {"instance": "a", "ended": [list(r) for r in rows], "held": []}
+
+
 def test_request_ends_the_servers_report_free_rows_and_stale_reports_change_nothing():
     from dora_tasks.core.config import load_config
     from pipelines.driver import Driver, InFlight
@@ -261,14 +266,36 @@ def test_request_ends_the_servers_report_free_rows_and_stale_reports_change_noth
     driver = Driver(load_config(None, []), None, VersionGate(1, 4), orch, None, None, "", [], [])
     for s in starts:
         driver.in_flight[s.group_id] = InFlight(s.group_id, 0, 1, [], s.instance)  # attempt 1
-    driver._request_ends.put([[0, 1, 2], [0, 1, 3], [1, 0, 0], [7, 1, 0]])  # group 1's attempt 0, group 7: gone
-    driver._request_ends.put([[0, 1, 2]])  # reported again
-    driver.take_request_ends()
+    driver._server_reports.put(ends([0, 1, 2], [0, 1, 3], [1, 0, 0], [7, 1, 0]))  # group 1's attempt 0, 7: gone
+    driver._server_reports.put(ends([0, 1, 2]))  # reported again
+    driver.take_server_reports()
     assert orch.unfinished == {0: {0, 1}, 1: {0, 1, 2, 3}} and orch.rows_used == {"a": 2, "b": 4}
-    driver._request_ends.put([[0, 1, 0], [0, 1, 1]])
-    driver.take_request_ends()
+    driver._server_reports.put(ends([0, 1, 0], [0, 1, 1]))
+    driver.take_server_reports()
     assert orch.rows_used["a"] == 0 and 0 in orch.running  # its rollout task has not answered yet
     assert not [s for s in orch.decide(capacity=4) if isinstance(s, Start)]  # it still holds "a"'s one slot
+    orch.validate()
+
+
+def test_kv_tokens_the_servers_report_count_on_the_instance_a_group_is_on_and_no_other():
+    from dora_tasks.core.config import load_config
+    from pipelines.driver import Driver, InFlight
+
+    orch = Orchestrator(rollout_batch_size=4, group_budget=8, group_size=4)
+    orch.add_instance("a", 1, kv_budget=1000)
+    orch.add_instance("b", 1, kv_budget=1000)
+    starts = [s for s in orch.decide(capacity=4) if isinstance(s, Start)]
+    driver = Driver(load_config(None, []), None, VersionGate(1, 4), orch, None, None, "", [], [])
+    for s in starts:
+        driver.in_flight[s.group_id] = InFlight(s.group_id, 0, 1, [], s.instance)  # attempt 1
+    driver._server_reports.put({"instance": "a", "ended": [], "held": [[0, 1, 300], [1, 1, 50], [0, 0, 900]]})
+    driver._server_reports.put({"instance": "b", "ended": [], "held": [[1, 1, 200], [7, 1, 10]]})
+    driver.take_server_reports()  # group 1 is on "b": "a"'s word on it, attempt 0 and group 7 change nothing
+    assert orch.tokens == {0: 300, 1: 200} and orch.kv_held == {"a": 300, "b": 200}
+    assert orch.free_kv(orch.instances["a"]) == 700
+    driver._server_reports.put({"instance": "a", "ended": [], "held": [[0, 1, 420]]})
+    driver.take_server_reports()
+    assert orch.kv_held == {"a": 420, "b": 200}
     orch.validate()
 
 

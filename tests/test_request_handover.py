@@ -256,8 +256,8 @@ def test_a_server_hands_a_response_over_and_another_continues_it_exactly(policy,
 
 def test_a_server_reports_each_response_that_ended_once_and_none_it_handed_over(policy):
     at_home, away_ended = [], []
-    home = served(policy, on_rows_ended=at_home.extend)
-    away = served(policy, on_rows_ended=away_ended.extend)
+    home = served(policy, on_report=lambda report: at_home.extend(report.ended))
+    away = served(policy, on_report=lambda report: away_ended.extend(report.ended))
     result, moved = hand_over_one(home, PROMPTS[1], 3, 11)
     assert len(moved) == 1, "every response ended before a chunk boundary"
     away.resume(moved[0], "")
@@ -267,6 +267,27 @@ def test_a_server_reports_each_response_that_ended_once_and_none_it_handed_over(
     sample = moved[0].sample_index
     assert sorted(at_home) == [(("group", 7), s) for s in range(3) if s != sample]
     assert away_ended == [(("group", 7), sample)]  # by the server it ended on
+
+
+def test_a_chunk_report_names_each_end_once_and_the_kv_tokens_a_request_still_holds_here():
+    from dora_tasks.rollout_rows import PartialResponse
+    from dora_tasks.server_requests import Request, chunk_report
+
+    rows = [PartialResponse([1, 2, 3], 0, tokens=[4] * 5),  # running: 3 + 5 tokens
+            PartialResponse([1, 2, 3], 1, tokens=[4] * 8),  # at the budget: ended
+            PartialResponse([1, 2, 3], 2, tokens=[4] * 2, finished=True),  # ended at eos
+            PartialResponse([1, 2, 3], 3, tokens=[4] * 6)]  # given away
+    rows[3].handed_over = object()
+    request = Request(0, "", [1, 2, 3], 4, 0, request_id=(5, 1), rows=rows)
+    unnamed = Request(0, "", [9], 1, 0, rows=[PartialResponse([9], 0)])
+    all_ended = Request(0, "", [7], 1, 0, request_id=(6, 0), rows=[PartialResponse([7], 0, finished=True)])
+    active = [(request, rows), (unnamed, unnamed.rows), (all_ended, all_ended.rows)]
+    first = chunk_report(active, budget=8)
+    assert sorted(first.ended) == [((5, 1), 1), ((5, 1), 2), ((6, 0), 0)]
+    assert first.held == [((5, 1), 8)]
+    rows[0].tokens += [4] * 3  # the last running row reaches the budget
+    second = chunk_report(active, budget=8)
+    assert second.ended == [((5, 1), 0)] and second.held == []
 
 
 def test_a_server_without_the_cache_resumes_by_a_measured_reprefill(policy):
