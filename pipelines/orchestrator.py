@@ -38,9 +38,9 @@ requests from one instance to another of the same version.
 An instance runs at most `slots` groups at once however many of their rows have ended (on Dask each group started
 there holds one of its worker's ROLLOUT slots until it ends or is handed over; a group moved there counts too).
 
-Simplified from the paper: the Dask driver learns request ends as the rollout servers report them at their chunk
-boundaries, and no KV use (its instances report no KV budget, so KV is never the limit there); the simulator
-(`pipelines.simulator`) reports every request end at once, and KV use.
+Simplified from the paper: the Dask driver learns request ends and KV use as the rollout servers report them at
+their chunk boundaries (KV use only where requests migrate, and a KV budget only for the emulated engine, whose cost
+model gives it: elsewhere KV is never the limit); the simulator (`pipelines.simulator`) reports both at once.
 """
 from __future__ import annotations
 
