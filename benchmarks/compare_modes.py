@@ -63,7 +63,7 @@ MODES = [  # (name, overrides, cluster shape: overrides of the embedded cluster;
     ("sync K=0 colocated", ["dora.max_staleness=0"], COLOCATED),
     ("DORA K=3 colocated", ["dora.max_staleness=3"], COLOCATED),
     ("DORA K=3 colocated queued switching", ["dora.max_staleness=3", "rollout.switching=queue"], COLOCATED),
-    ("DORA K=3 colocated migrate switching", ["dora.max_staleness=3", "rollout.switching=migrate"], COLOCATED),
+    ("DORA K=3 colocated drain switching", ["dora.max_staleness=3", "rollout.switching=drain"], COLOCATED),
 ]
 QUICK = ["dora.train_batch_size=4", "dora.rollout_batch_size=8", "rollout.group_size=4", "task.eval_prompts=16"]
 COLUMNS = [  # (header, key, format); "(a / b)": the value of each repeat

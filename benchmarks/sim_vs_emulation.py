@@ -99,7 +99,7 @@ def sim_settings(cfg, decision_interval_s: float = 0.0):
         raise ValueError("the simulator gives each instance RBS / instances groups: set rollout.slots to that")
     sim = SimConfig(gpus=r.instances * e.tp + e.trainer_gpus, mode="dora", max_staleness=d.max_staleness,
                     prompts_per_step=d.train_batch_size, group_size=r.group_size, train_batch_size=d.train_batch_size,
-                    rollout_batch_size=d.rollout_batch_size, switching=r.switching, max_rows=e.max_rows,
+                    rollout_batch_size=d.rollout_batch_size, switching=cfg.switching, max_rows=e.max_rows,
                     trainer_gpus=e.trainer_gpus, steps=d.num_updates, warmup_steps=2,
                     decision_interval_s=decision_interval_s, versions_per_instance=r.versions_per_instance)
     return sim, cost_model_from(e), length_model_from(e, d.seed)

@@ -261,7 +261,8 @@ def register_plugins(client: Client, cfg: Config, weight_root: str, model_path: 
     episodes = EpisodeSpec.of(cfg.task)
     if episodes is not None and code is not None and code.environment:
         episodes = dataclasses.replace(episodes, environment=code.environment)
-    client.register_plugin(RolloutPlugin(model_path, cfg.rollout, weight_root, options, clock, episodes=episodes,
+    rollout = dataclasses.replace(cfg.rollout, switching=cfg.switching)  # "auto" resolved for the servers
+    client.register_plugin(RolloutPlugin(model_path, rollout, weight_root, options, clock, episodes=episodes,
                                          reports_topic=reports_topic(run_tag) if run_tag else ""))
     client.register_plugin(TrainerPlugin(weight_root, cfg.train, cfg.rollout.temperature, options, clock,
                                          base_path=model_path))
@@ -292,7 +293,7 @@ def _store_meta(cfg: Config) -> dict:
 
 
 def _switching(cfg: Config):
-    return switching_named(cfg.rollout.switching, cfg.rollout.versions_per_instance)
+    return switching_named(cfg.switching, cfg.rollout.versions_per_instance)
 
 
 def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orchestrator, TrajectoryStore]:

@@ -95,6 +95,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "dora.advantage": cfg.train.advantage,
         "dora.loss": cfg.train.loss,
         "dora.rollout_engine": cfg.rollout.engine,
+        "dora.switching": cfg.switching,  # rollout.switching, "auto" resolved
         "dora.train_engine": cfg.train.engine if cfg.train.engine != "deepspeed"
         else f"deepspeed-zero{cfg.train.zero_stage}",
         "dora.code_version": code_version(),

@@ -85,6 +85,7 @@ def test_config_refuses_environments_with_engines_or_switching_that_move_an_epis
                        ("rollout.engine=vllm", "rollout.engine"), ("task.max_turns=0", "task.max_turns")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, base + [extra])
+    assert cfg.rollout.switching == "auto" and cfg.switching == "drain"  # the default leaves episodes where they are
 
 
 # ---- episode bookkeeping -------------------------------------------------------------------------------------------

@@ -123,8 +123,8 @@ def groups_started_behind_an_older_version(summary) -> int:
 @pytest.mark.slow
 def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constraints(small_config, shared_cluster,
                                                                                     tmp_path):
-    """`rollout.switching=queue`: new groups reach an instance still finishing an older version (never with the
-    default switching), and the audit still finds every token of a trajectory from its own version (C1), every
+    """`rollout.switching=queue`: new groups reach an instance still finishing an older version (never with
+    `drain`), and the audit still finds every token of a trajectory from its own version (C1), every
     group trained once (C2) and staleness <= K (C3)."""
     common = [*CONSTRAINT_RUN, "dora.max_staleness=3", "rollout.instances=1", "rollout.slots=4"]
     cfg = small_config(*common, "rollout.switching=queue")
@@ -134,9 +134,10 @@ def test_queued_switching_starts_groups_behind_older_ones_and_keeps_the_constrai
     assert report.ok, report.to_text()
     assert len(consumed_table(queued)["group_id"]) == 4 * 8 * 16
     assert groups_started_behind_an_older_version(queued) > 0
-    default = run_pipeline(small_config(*common, f"storage.run_dir={tmp_path / 'default'}"), on_shared)
-    assert audit_store(default.store, 3).ok
-    assert groups_started_behind_an_older_version(default) == 0
+    drained = run_pipeline(small_config(*common, "rollout.switching=drain", f"storage.run_dir={tmp_path / 'drain'}"),
+                           on_shared)
+    assert audit_store(drained.store, 3).ok
+    assert groups_started_behind_an_older_version(drained) == 0
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dora_tasks.core.config import load_config
+
 from pipelines.gate import VersionGate
 from pipelines.orchestrator import Load, Migrate, Orchestrator, Start
 from pipelines.switching import Migrate as Migrating
@@ -226,3 +228,13 @@ def test_groups_queued_beyond_an_engines_batch_move_to_an_instance_of_their_vers
     moved = [a for a in actions if isinstance(a, Migrate)]
     assert moved == [Migrate(1, (0, 1), 0, "a", "b")]  # a queued group (no KV yet), and only one: b's batch is full
     orch.validate()
+
+
+def test_the_default_switching_migrates_wherever_a_response_can_move_and_drains_elsewhere():
+    assert load_config(None, []).switching == "migrate"
+    assert load_config(None, ["rollout.switching=queue"]).switching == "queue"
+    for cannot_move in (["rollout.partial_rollout=true"], ["rollout.chunk_tokens=0"],
+                        ["rollout.versions_per_instance=2", "train.lora.rank=4"]):
+        cfg = load_config(None, cannot_move)
+        assert (cfg.rollout.switching, cfg.switching) == ("auto", "drain"), cannot_move
+    assert load_config(None, ["rollout.switching=drain"]).rollout.per_row_streams is False

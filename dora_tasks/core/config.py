@@ -113,11 +113,12 @@ class RolloutConfig:
     fast_decode: bool = True  # with the kept cache, decode steps written out in plain torch over the loaded version's
     #                           fused weights (dora_tasks/engines/fast_session.py; Qwen2/Llama layouts); false:
     #                           transformers' forward
-    switching: str = "drain"  # how an instance leaves an older version (pipelines/switching.py): "drain" = once its
-    #                           last group ends; "queue" = new groups of the newest version queue behind those groups;
-    #                           "migrate" = its running responses move to instances staying on that version (DORA's
-    #                           request migration; with the KV cache on the transformers engine, by a re-prefill on
-    #                           vLLM, with keep_kv_cache off, and (in emulated time) on the emulated engine)
+    switching: str = "auto"  # how an instance leaves an older version (pipelines/switching.py): "drain" = once its
+    #                          last group ends; "queue" = new groups of the newest version queue behind those groups;
+    #                          "migrate" = its running responses move to instances staying on that version (DORA's
+    #                          request migration; with the KV cache on the transformers engine, by a re-prefill on
+    #                          vLLM, with keep_kv_cache off, and (in emulated time) on the emulated engine); "auto" =
+    #                          migrate, or drain where a response cannot move (`resolved_switching`)
     row_streams: bool | None = None  # each response samples from its own random stream (seeded by its group's seed
     #                                  and sample index), so a migrated response draws the tokens it would have drawn
     #                                  at home; null = on with switching=migrate, off otherwise (one draw per decode
@@ -132,9 +133,17 @@ class RolloutConfig:
         """`row_streams`, its default resolved: on with switching=migrate."""
         return self.switching == "migrate" if self.row_streams is None else self.row_streams
 
+    def resolved_switching(self, episodes: bool) -> str:
+        """`switching`, "auto" resolved: migrate, or drain where a response cannot leave its instance (the
+        partial-rollout baseline, several versions per instance, static batches, or multi-turn `episodes`)."""
+        if self.switching != "auto":
+            return self.switching
+        movable = self.chunk_tokens >= 1 and not self.partial_rollout and self.versions_per_instance == 1
+        return "migrate" if movable and not episodes else "drain"
+
     def validate(self) -> None:
         _choice(self.engine, "rollout.engine", ("hf", "vllm", "emulated"))
-        _choice(self.switching, "rollout.switching", ("drain", "queue", "migrate"))
+        _choice(self.switching, "rollout.switching", ("auto", "drain", "queue", "migrate"))
         _require(self.row_streams in (None, True, False), "rollout.row_streams",
                  f"expected true, false or null (on with switching=migrate), got {self.row_streams!r}")
         if self.switching == "migrate":
@@ -164,10 +173,10 @@ class RolloutConfig:
         _require(not self.partial_rollout, "rollout.versions_per_instance",
                  f"{m} serves each request with its own version's adapter from start to end; the partial-rollout "
                  "baseline (rollout.partial_rollout=true) swaps versions under running requests: set one of them off")
-        _require(self.switching == "drain", "rollout.versions_per_instance",
+        _require(self.switching in ("auto", "drain"), "rollout.versions_per_instance",
                  f"{m} lets an instance take the newest version beside its older ones, which replaces "
                  f"rollout.switching={self.switching!r} (an instance leaving its version); keep "
-                 "rollout.switching=drain")
+                 "rollout.switching=drain or auto")
 
 
 @dataclass
@@ -384,6 +393,11 @@ class Config:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
         return self
+
+    @property
+    def switching(self) -> str:
+        """The switching the run uses: `rollout.switching`, "auto" resolved (`RolloutConfig.resolved_switching`)."""
+        return self.rollout.resolved_switching(episodes=bool(self.task.environment))
 
     @property
     def emulated(self) -> bool:

@@ -16,7 +16,7 @@ def check_episodes(cfg) -> None:
         return
     _require(cfg.rollout.engine == "hf", "task.environment",
              f"multi-turn episodes run on rollout.engine=hf, got rollout.engine={cfg.rollout.engine!r}")
-    _require(cfg.rollout.switching != "migrate", "task.environment",
-             "an episode stays on its instance between turns: use rollout.switching=drain or queue, not migrate")
+    _require(cfg.switching != "migrate", "task.environment",
+             "an episode stays on its instance between turns: use rollout.switching=auto, drain or queue, not migrate")
     _require(not cfg.rollout.partial_rollout, "task.environment",
              "an episode keeps one policy version for all its turns (C1): rollout.partial_rollout must be false")
