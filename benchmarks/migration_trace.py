@@ -145,20 +145,26 @@ def idle_report(out: str) -> str:
     published = [e["t"] for e in events if e["type"] == "Published"]
     start, end = published[min(WARMUP_UPDATES, len(published)) - 1], kept["last_dispatch"]
     causes: collections.Counter = collections.Counter()
+    before_load, after_load = [], []  # a drain switch's gap: idle -> the orchestrator's Load, Load -> busy again
     for address, spans in kept["busy"].items():
         for s, e in idle_gaps(spans, start, end):
             near = [x for x in events if s - 1.0 <= x["t"] <= e]
+            loads = [x["t"] for x in near if x["type"] == "Load" and x.get("instance") == address]
             if any(x["type"] == "Migrate" and x.get("source") == address for x in near):
                 causes["handed responses over (leaver)"] += e - s
-            elif any(x["type"] == "Load" and x.get("instance") == address for x in near):
+            elif loads:
                 causes["loaded a version, nothing handed over"] += e - s
+                before_load.append(max(0.0, loads[0] - s))
+                after_load.append(e - max(s, loads[0]))
             elif any(x["type"] == "Migrate" and x.get("target") == address for x in near):
                 causes["received responses"] += e - s
             else:
                 causes["no load, no move (no work)"] += e - s
     total = len(kept["busy"]) * max(1e-9, end - start)
     return (f"open bubble by cause (window {end - start:.0f} s x {len(kept['busy'])} instances): "
-            + ", ".join(f"{cause} {t / total:.1%}" for cause, t in causes.most_common()))
+            + ", ".join(f"{cause} {t / total:.1%}" for cause, t in causes.most_common())
+            + f"\ndrain switches: {len(before_load)} gaps; idle -> Load {sum(before_load) / total:.1%} of the window "
+            f"({percentiles(before_load)} s), Load -> busy {sum(after_load) / total:.1%} ({percentiles(after_load)} s)")
 
 
 def main(argv=None) -> int:
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
     scale.out = args.out
     if not args.report_only:
         row = traced_run(scale)
-        print(f"tokens/s {row['throughput']:,.0f}, open bubble {row['open_bubble']:.1%}, "
+        print(f"tokens/s {row['throughput']:,.0f}, open bubble {row['open_bubble']:.1%} "
+              f"({row['open_bubble_held']:.1%} while the gate held dispatch, closed {row['gate_closed_share']:.0%}), "
               f"audit {'PASS' if row['audit_ok'] else 'FAIL'}, machine {row['machine_share']:.0%} busy")
     print(report(scale.out))
     print(idle_report(scale.out))

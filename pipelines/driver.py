@@ -319,6 +319,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         gid, v = start.group_id, start.version
         if start.new:
             self.gate.on_dispatch(gid, v)
+            self.timeline.gate_state(self.clock.now(), closed=self.gate.capacity() <= 0)
         attempt = self.attempts[gid] = self.attempts.get(gid, -1) + 1
         prompt = self.prompt_for(gid)
         self.store.append_dispatch(gid, prompt.prompt_id, v, attempt, self.clock.now())
@@ -434,6 +435,7 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         decision, published, now = queued.decision, result.published, self.clock.now()
         groups = [self.complete.pop(g) for g in decision.group_ids]
         self.gate.on_update_done(decision.update)
+        self.timeline.gate_state(now, closed=self.gate.capacity() <= 0)
         self.orchestrator.on_publish(published.version)
         self.store.append_consumed(groups, decision.update, now)
         self.timeline.updates.append(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time,

@@ -6,6 +6,9 @@
 * rollout bubble: share of rollout-instance wall time with no sequence being decoded;
 * open rollout bubble: the same until the run's last group is dispatched; a run that trains every group it dispatches
   (C2) ends by draining, its last K updates with no new work for the instances, and this window leaves that out;
+  split into its *held* part, idle while the version gate admitted no new group (the staleness bound holds rollout
+  back until the trainer publishes: no orchestrator could fill those rows without breaking C3), and its *free*
+  part, idle while the gate admitted new groups (what switching and orchestration leave unused);
 * trainer bubble: share of trainer wall time with no update running;
 * non-overlapped rollout share: share of wall time the trainer spends waiting for rollout data (from the end of
   one publish to the moment the gate hands over the next batch).
@@ -34,6 +37,20 @@ class UpdateTiming:
 class Timeline:
     t0: float
     updates: list[UpdateTiming] = field(default_factory=list)
+    gate_closed: list[tuple[float, float]] = field(default_factory=list)  # the gate admitted no new group
+    closed_since: float | None = None  # the gate is closed now, since then
+
+    def gate_state(self, now: float, closed: bool) -> None:
+        """The version gate's dispatch capacity changed: `closed` when it admits no new group."""
+        if closed and self.closed_since is None:
+            self.closed_since = now
+        elif not closed and self.closed_since is not None:
+            self.gate_closed.append((self.closed_since, now))
+            self.closed_since = None
+
+    def closed_spans(self, end: float) -> list[tuple[float, float]]:
+        """The spans the gate admitted no new group, one still open ending at `end`."""
+        return self.gate_closed + ([(self.closed_since, end)] if self.closed_since is not None else [])
 
     def steady(self) -> list[UpdateTiming]:
         return self.updates[WARMUP_UPDATES:] if len(self.updates) > WARMUP_UPDATES else []
@@ -194,16 +211,48 @@ def rollout_bubble(busy: dict[str, list[tuple[float, float]]], start: float, end
     return 1.0 - min(1.0, float(np.mean(shares)))
 
 
+def held_rollout_bubble(busy: dict[str, list[tuple[float, float]]], held: list[tuple[float, float]], start: float,
+                        end: float) -> float:
+    """Share of rollout-instance time in [start, end] idle while `held` (the gate admitted no new group)."""
+    if not busy or end <= start:
+        return float("nan")
+    window = [(max(s, start), min(e, end)) for s, e in merge_spans(held) if min(e, end) > max(s, start)]
+    idle = [_overlap(window, start, end) - _overlap(_intersect(merge_spans(spans), window), start, end)
+            for spans in busy.values()]
+    return float(np.mean(idle)) / (end - start)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
             last_dispatch: float = float("inf")) -> dict[str, float]:
     start, end = tl.steady_window()
+    open_end = min(end, last_dispatch)
+    open_bubble = rollout_bubble(busy, start, open_end)
+    held = held_rollout_bubble(busy, tl.closed_spans(end), start, open_end)
     return {
         "throughput_tokens_per_s": throughput(tl),
         "step_time_s": mean_step_time(tl),
         "trainer_bubble": trainer_bubble(tl),
         "rollout_bubble": rollout_bubble(busy, start, end),
-        "open_rollout_bubble": rollout_bubble(busy, start, min(end, last_dispatch)),
-        "open_window_s": max(0.0, min(end, last_dispatch) - start),
+        "open_rollout_bubble": open_bubble,
+        "open_rollout_bubble_held": held,
+        "open_rollout_bubble_free": open_bubble - held,
+        "gate_closed_share": _overlap(merge_spans(tl.closed_spans(end)), start, open_end) / (open_end - start)
+        if open_end > start else float("nan"),
+        "open_window_s": max(0.0, open_end - start),
         "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
         "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
     }

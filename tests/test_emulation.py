@@ -199,6 +199,7 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
     assert 0.5 * streamed * speedup < summary.metrics["wall_s"] < 1.2 * streamed * speedup
     # the last dispatch on the run's clock, inside the steady window (else the open bubble is nan)
     assert 0.0 <= summary.metrics["open_rollout_bubble"] <= 1.0
+    assert 0.0 <= summary.metrics["open_rollout_bubble_held"] <= summary.metrics["open_rollout_bubble"] + 1e-9
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))
     assert store.meta["clock"].startswith("emulated seconds")
     updates = store.read_table("updates")

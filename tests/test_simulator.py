@@ -237,6 +237,15 @@ def test_open_bubble_leaves_out_the_drain_after_the_last_dispatch():
     assert r.open_rollout_bubble < r.rollout_bubble - r.prefill_share - r.transfer_share
 
 
+def test_the_open_bubble_splits_into_idle_while_the_gate_held_dispatch_and_idle_while_it_admitted_groups():
+    _, sync = run("sync")  # instances wait for every publish with the gate closed
+    _, dora = run("dora", max_staleness=3)
+    for r in (sync, dora):
+        assert 0.0 <= r.open_rollout_bubble_held <= r.open_rollout_bubble + 1e-9 and 0.0 <= r.gate_closed_share <= 1
+    assert sync.open_rollout_bubble_held > sync.open_rollout_bubble - sync.open_rollout_bubble_held
+    assert sync.gate_closed_share > dora.gate_closed_share
+
+
 def test_simulator_drives_the_real_gate_and_orchestrator():
     sim, _ = run("one-step")  # check=True: both validate() after every decision
     assert type(sim.gate) is VersionGate and type(sim.orchestrator) is Orchestrator

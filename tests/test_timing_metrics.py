@@ -20,3 +20,19 @@ def test_the_open_bubble_ends_at_the_last_dispatch_and_the_rollout_bubble_at_the
     assert m["rollout_bubble"] == pytest.approx(1 - (12 + 6) / 40)
     assert m["open_rollout_bubble"] == pytest.approx(1 - (10 + 6) / 20) and m["open_window_s"] == 10.0
     assert summary(tl, busy)["open_rollout_bubble"] == pytest.approx(m["rollout_bubble"])  # no dispatch time: whole window
+
+
+def test_the_open_bubble_splits_into_idle_while_the_gate_held_dispatch_and_idle_while_it_admitted_groups():
+    tl = timeline([10.0, 20.0, 30.0, 40.0])  # steady window 20 -> 40, open until the last dispatch at 36
+    tl.gate_state(18.0, closed=True)
+    tl.gate_state(24.0, closed=False)  # held 20 -> 24 within the window
+    tl.gate_state(33.0, closed=True)  # still closed at the end: held 33 -> 36
+    busy = {"a": [(0.0, 22.0), (25.0, 40.0)], "b": [(0.0, 30.0)]}
+    m = summary(tl, busy, last_dispatch=36.0)
+    # a idles 22-25 (2 s held, 1 s free); b idles 30-36 (3 s held, 3 s free); window 16 s
+    assert m["open_rollout_bubble"] == pytest.approx((3 + 6) / 32)
+    assert m["open_rollout_bubble_held"] == pytest.approx((2 + 3) / 32)
+    assert m["open_rollout_bubble_free"] == pytest.approx((1 + 3) / 32)
+    assert m["gate_closed_share"] == pytest.approx((4 + 3) / 16)
+    tl.gate_state(38.0, closed=False)
+    assert tl.closed_spans(40.0) == [(18.0, 24.0), (33.0, 38.0)]

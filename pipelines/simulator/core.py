@@ -175,6 +175,7 @@ class Simulation:
         for action in self.orchestrator.decide(self.mode.capacity(self)):
             self._act(action)
         self.record.on_dispatch(self.now)
+        self.record.on_gate(self.now, closed=self.mode.capacity(self) <= 0)
         if self.training is None and len(self.gate.complete) >= self.tbs:
             decision = self.gate.decide()
             if decision is not None:
@@ -262,3 +263,4 @@ class Simulation:
             self.ready[version] = self.now
         self.mode.on_publish(self, version)
         self.record.on_publish(decision, self.now)
+        self.record.on_gate(self.now, closed=self.mode.capacity(self) <= 0)
