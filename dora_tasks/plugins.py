@@ -57,12 +57,15 @@ class RolloutPlugin(WorkerPlugin):
         if "ROLLOUT" not in worker.state.total_resources:
             return
         _set_worker_env()
-        from dora_tasks.engines.rollout_factory import make_rollout_engine
+        from dora_tasks.engines.rollout_factory import make_rollout_engine, rollout_engine_class
         from dora_tasks.rollout_server import RolloutServer
         from dora_tasks.version_loads import VersionLoads
         from dora_tasks.version_policy import ConcurrentVersions, DispatchVersion, PartialRollout
         from storage.weight_store import WeightStore
 
+        # the engine's module (torch, for a real engine) is imported here, before any task: the engine thread
+        # importing it while a task's thread unpickles a handed-over KV cache (torch too) can deadlock the imports
+        rollout_engine_class(self.rollout.engine)
         store = WeightStore(self.weight_store)
 
         def newest() -> tuple[int | None, str]:
