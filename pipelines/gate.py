@@ -36,6 +36,13 @@ consumed by update `u`, and nothing newer can be dispatched before version `u + 
   ``newest >= u + 1 - K`` when K >= 1. With K = 0 no batch can be decided early: its groups (version ``u + 1``)
   cannot exist before ``u + 1`` is published.
 
+* Streamed updates (``stream``, default off): a batch may be handed over while some of its stragglers (the groups of
+  version ``u - K``, which it must take) are still running; `BatchDecision.pending` names them. The update trains
+  what is complete and takes each straggler as it completes (gradients accumulate over the batch; the optimizer
+  steps once, after the last), so the trainer computes while it waits for the longest responses instead of idling.
+  The batch is chosen by the same rules; only the stragglers' completion is no longer waited for before the hand-over,
+  and `on_update_done` refuses an update whose groups did not all complete (C2).
+
 Simplification: updates run one at a time, in order (update `u + 1` trains the weights that update `u` produced).
 """
 from __future__ import annotations
@@ -52,6 +59,7 @@ class BatchDecision:
     update: int
     group_ids: tuple[int, ...]
     versions: tuple[int, ...]
+    pending: tuple[int, ...] = ()  # stragglers still running when it was handed over (streamed updates only)
 
     @property
     def max_staleness(self) -> int:
@@ -71,6 +79,7 @@ class VersionGate:
     consumed: dict[int, int] = field(default_factory=dict)  # group_id -> update that trained on it
     lookahead: int = 0  # batches that may be decided beyond the one training now
     order: str = "completion"  # how a batch is filled beyond its stragglers: "completion" or "dispatch" (see above)
+    stream: bool = False  # hand a batch over before its stragglers complete (streamed updates, see above)
 
     @property
     def running(self) -> BatchDecision | None:
@@ -110,21 +119,22 @@ class VersionGate:
         if any(v < floor for v in pool.values()):
             raise GateInvariantError(f"update {u}: a group older than version {floor} was left behind")
         stragglers = sorted(g for g, v in pool.items() if v == floor)
-        if any(g not in self.complete for g in stragglers):
+        pending = tuple(g for g in stragglers if g not in self.complete)
+        if pending and not self.stream:
             return None
         if self.order == "dispatch":
             ready = sorted(pool, key=lambda g: (pool[g], g))[: self.train_batch_size]  # stragglers come first
-            if any(g not in self.complete for g in ready):
+            if any(g not in self.complete and pool[g] > floor for g in ready):
                 return None
         else:
-            ready = [g for g in pool if g in self.complete]
+            ready = [g for g in pool if g in self.complete or pool[g] == floor]
         if len(ready) < self.train_batch_size:
             return None
         others = sorted((g for g in ready if pool[g] > floor), key=lambda g: (pool[g], g))
         chosen = stragglers + others[: self.train_batch_size - len(stragglers)]
         if not self._feasible_after(taken | set(chosen), u + 1):
             return None
-        decision = BatchDecision(u, tuple(chosen), tuple(pool[g] for g in chosen))
+        decision = BatchDecision(u, tuple(chosen), tuple(pool[g] for g in chosen), pending)
         self.decided.append(decision)
         return decision
 
@@ -137,6 +147,9 @@ class VersionGate:
     def on_update_done(self, update: int) -> None:
         if self.running is None or self.running.update != update:
             raise GateInvariantError(f"update {update} finished but the running update is {self.running}")
+        missing = [g for g in self.running.group_ids if g not in self.complete]
+        if missing:
+            raise GateInvariantError(f"update {update} finished before its groups {missing[:5]} completed")
         done = self.decided.pop(0)
         for g in done.group_ids:
             del self.unconsumed[g]
@@ -173,7 +186,9 @@ class VersionGate:
             check(len(batch.group_ids) == tbs, "a batch is not TBS groups")
             check(batch.max_staleness <= K and min(batch.update - v for v in batch.versions) >= 0,
                   "a batch exceeds the staleness bound")
-            check(set(batch.group_ids) <= self.complete, "a batch holds an incomplete group")
+            running = [g for g in batch.group_ids if g not in self.complete]
+            check(all(self.unconsumed[g] == batch.update - K for g in running) and (self.stream or not running),
+                  "a batch holds an incomplete group that is not a straggler it may stream in")
             check(not (taken & set(batch.group_ids)), "a group is in two decided batches")
             taken |= set(batch.group_ids)
 
@@ -186,10 +201,11 @@ class VersionGate:
         }
 
     @classmethod
-    def from_state(cls, state: dict, lookahead: int = 0, order: str = "completion") -> "VersionGate":
+    def from_state(cls, state: dict, lookahead: int = 0, order: str = "completion",
+                   stream: bool = False) -> "VersionGate":
         """A gate at a checkpoint (decided batches that had not finished training are decided again)."""
         gate = cls(state["max_staleness"], state["train_batch_size"], state["newest"], state["next_update"],
-                   state["dispatched_total"], lookahead=lookahead, order=order)
+                   state["dispatched_total"], lookahead=lookahead, order=order, stream=stream)
         gate.unconsumed = {int(g): v for g, v in state["unconsumed"].items()}
         gate.complete = set(state["complete"])
         gate.consumed = {int(g): u for g, u in state["consumed"].items()}

@@ -13,10 +13,10 @@ from pipelines.switching import Queue, switching_named
 
 
 def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, seed: int, kill_rate: float = 0.0,
-          lookahead: int = 0, order: str = "completion", queued: bool = False):
+          lookahead: int = 0, order: str = "completion", queued: bool = False, stream: bool = False):
     """Run gate + orchestrator to the end with random completion orders; return the consumption record."""
     rng = random.Random(seed)
-    gate = VersionGate(K, tbs, lookahead=lookahead, order=order)
+    gate = VersionGate(K, tbs, lookahead=lookahead, order=order, stream=stream)
     orch = Orchestrator(rbs, updates * tbs, switching=switching_named("queue" if queued else "drain"))
     for i in range(instances):
         orch.add_instance(f"w{i}", slots)
@@ -51,7 +51,8 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
             gate.on_complete(g)
         while (decision := gate.decide()) is not None:
             batches.append(decision)
-        if gate.running is not None and (not running or rng.random() < 0.5):
+        streamed_in = gate.running is not None and set(gate.running.group_ids) <= gate.complete
+        if streamed_in and (not running or rng.random() < 0.5):
             gate.on_update_done(gate.running.update)
             orch.on_publish(gate.newest)
         gate.validate()
@@ -62,11 +63,11 @@ def drive(K: int, tbs: int, rbs: int, updates: int, instances: int, slots: int, 
 @given(K=st.integers(0, 4), tbs=st.integers(1, 6), extra=st.integers(0, 8), updates=st.integers(1, 8),
        instances=st.integers(1, 4), slots=st.integers(1, 4), seed=st.integers(0, 10_000),
        kill=st.sampled_from([0.0, 0.05]), lookahead=st.integers(0, 2),
-       order=st.sampled_from(["dispatch", "completion"]), queued=st.booleans())
+       order=st.sampled_from(["dispatch", "completion"]), queued=st.booleans(), stream=st.booleans())
 def test_random_event_orders_keep_all_three_constraints(K, tbs, extra, updates, instances, slots, seed, kill,
-                                                        lookahead, order, queued):
+                                                        lookahead, order, queued, stream):
     gate, orch, batches, started, _ = drive(K, tbs, tbs + extra, updates, instances, slots, seed, kill, lookahead,
-                                            order, queued)
+                                            order, queued, stream)
     consumed = [g for b in batches for g in b.group_ids]
     # C2: every dispatched group trained exactly once, nothing left behind, exactly N * TBS groups
     assert len(consumed) == len(set(consumed)) == updates * tbs
@@ -141,6 +142,43 @@ def test_gate_waits_for_stragglers_at_the_window_edge_and_takes_them():
     gate.on_complete(6)
     assert gate.decide().group_ids == (2, 5)
     gate.validate()
+
+
+def test_a_streamed_update_is_handed_over_before_its_stragglers_and_ends_only_after_them():
+    for stream in (False, True):
+        gate = VersionGate(max_staleness=1, train_batch_size=2, stream=stream)
+        for g in range(4):  # capacity at newest 0, K 1: (0 + 1 + 1) * 2
+            gate.on_dispatch(g, 0)
+        gate.on_complete(1)
+        gate.on_complete(2)
+        d0 = gate.decide()  # nothing is a straggler yet (version 0 >= 0 - K): the complete groups, in either mode
+        assert d0.group_ids == (1, 2) and d0.pending == ()
+        gate.on_update_done(0)
+        gate.on_dispatch(4, 1)
+        gate.on_complete(4)
+        d1 = gate.decide()  # update 1 must take groups 0 and 3 (version 0 = 1 - K), both still running
+        if not stream:
+            assert d1 is None
+            continue
+        assert d1.group_ids == (0, 3) and d1.pending == (0, 3)
+        gate.validate()
+        gate.on_complete(3)
+        with pytest.raises(GateInvariantError, match=r"before its groups \[0\] completed"):
+            gate.on_update_done(1)
+        gate.on_complete(0)
+        gate.on_update_done(1)
+        assert gate.consumed == {1: 0, 2: 0, 0: 1, 3: 1}
+        gate.validate()
+
+
+def test_a_batch_streams_in_only_its_stragglers():
+    gate = VersionGate(max_staleness=2, train_batch_size=2, stream=True)
+    for g in range(4):
+        gate.on_dispatch(g, 0)
+    gate.on_complete(0)
+    assert gate.decide() is None  # update 0's floor is version -2: no straggler, and only one group is complete
+    gate.on_complete(1)
+    assert gate.decide().pending == ()
 
 
 def test_dispatch_order_waits_for_the_oldest_groups_however_many_others_are_complete():

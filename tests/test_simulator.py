@@ -246,6 +246,36 @@ def test_the_open_bubble_splits_into_idle_while_the_gate_held_dispatch_and_idle_
     assert sync.gate_closed_share > dora.gate_closed_share
 
 
+def streamed_train_s(sim, update) -> float:
+    """An update's training time, streamed: its complete groups at once, then each straggler alone (whose sequences
+    spread over at most one accelerator each)."""
+    def lengths(groups):
+        return [s.prompt + s.target for g in groups for s in sim.groups[g]]
+
+    gpus = sim.split.trainer_gpus
+    at_once = [g for g in update.group_ids if g not in update.pending]
+    return COST.train_s(lengths(at_once), gpus) + sum(
+        max(COST.train_s(lengths([g]), gpus), COST.train_s([max(lengths([g]))], 1)) for g in update.pending)
+
+
+def test_streamed_updates_keep_the_constraints_and_the_trainer_computes_while_stragglers_run():
+    _, plain = run("dora", max_staleness=1)
+    sim, streamed = run("dora", max_staleness=1, stream_updates=True)
+    assert streamed.c1_mixed_trajectories == 0 and streamed.c2_ok and streamed.c3_ok and streamed.staleness_max <= 1
+    assert any(u.pending for u in sim.record.updates)  # some batches were handed over before their stragglers ended
+    published = [u for u in sim.record.updates if u.published]  # the run stops at its last publish
+    busy = sum(b - a for a, b in sim.record.trainer_busy if b <= published[-1].published)
+    assert busy == pytest.approx(sum(streamed_train_s(sim, u) for u in published), rel=1e-9)
+    assert all(u.end == u.published for u in published)
+    assert streamed.non_overlapped_share < plain.non_overlapped_share
+
+
+def test_streamed_updates_need_a_trainer_of_their_own():
+    from pipelines.simulator import SimulatorError
+    with pytest.raises(SimulatorError, match="stream_updates: .*mode dora only"):
+        SimConfig(mode="sync", stream_updates=True).validate()
+
+
 def test_simulator_drives_the_real_gate_and_orchestrator():
     sim, _ = run("one-step")  # check=True: both validate() after every decision
     assert type(sim.gate) is VersionGate and type(sim.orchestrator) is Orchestrator
@@ -257,6 +287,16 @@ def test_cli_prints_json(capsys):
                  "--steps", "3", "--warmup-steps", "1", "--json", "emulation.response_p50=300"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "sync" and out["staleness_max"] == 0 and out["step_s"] > 0
+
+
+def test_cli_streams_updates_only_in_dora(capsys):
+    small = ["--gpus", "16", "--prompts-per-step", "32", "--group-size", "8", "--steps", "3", "--warmup-steps", "1",
+             "--json", "--stream-updates", "emulation.response_p50=300"]
+    assert main(["simulate", "--mode", "dora", "--max-staleness", "1", *small]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["c2_ok"] and out["c3_ok"] and out["staleness_max"] <= 1
+    assert main(["simulate", "--mode", "sync", *small]) == 2
+    assert "stream_updates: streams a batch into a trainer of its own: mode dora only" in capsys.readouterr().err
 
 
 # ---- the searched split --------------------------------------------------------------------------------------------

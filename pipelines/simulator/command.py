@@ -19,7 +19,7 @@ FLAGS = {  # flag -> SimConfig field
     "rbs": "rollout_batch_size", "prompts_per_step": "prompts_per_step", "group_size": "group_size",
     "trainer_gpus": "trainer_gpus", "steps": "steps", "warmup_steps": "warmup_steps", "switching": "switching",
     "max_rows": "max_rows", "decision_interval": "decision_interval_s",
-    "versions_per_instance": "versions_per_instance", "handover_s": "handover_s",
+    "versions_per_instance": "versions_per_instance", "handover_s": "handover_s", "stream_updates": "stream_updates",
 }
 
 
@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--versions-per-instance", type=int, metavar="M",
                    help="versions one instance serves at once, one LoRA adapter each (default 1; needs "
                    "emulation.lora_rank > 0; implies --switching drain)")
+    p.add_argument("--stream-updates", action="store_const", const=True,
+                   help="dora: hand a batch to the trainer before its stragglers complete; it computes the rest "
+                   "meanwhile (simulator only: the Dask pipeline does not stream updates yet)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

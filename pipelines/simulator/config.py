@@ -34,6 +34,9 @@ class SimConfig:
     # virtual seconds a moved group's requests are between instances (neither decodes them): the Dask driver's order,
     # the source's chunk boundary and the resume task; 0 moves them at once
     handover_s: float = 0.0
+    # streamed updates (`VersionGate.stream`): a batch is handed over before its stragglers complete and the trainer
+    # computes the complete groups meanwhile, each straggler as it completes; the Dask pipeline does not do this yet
+    stream_updates: bool = False
 
     def validate(self) -> "SimConfig":
         def require(ok: bool, key: str, why: str) -> None:
@@ -60,6 +63,8 @@ class SimConfig:
         require(self.decision_interval_s >= 0, "decision_interval_s", "must be >= 0")
         require(self.versions_per_instance >= 1, "versions_per_instance",
                 f"must be >= 1, got {self.versions_per_instance}")
+        require(not self.stream_updates or self.mode == "dora", "stream_updates",
+                f"streams a batch into a trainer of its own: mode dora only, got mode {self.mode!r}")
         if self.versions_per_instance > 1:
             require(self.mode == "dora" and self.switching == "drain", "versions_per_instance",
                     f"{self.versions_per_instance} replaces how an instance leaves its version: mode dora with "

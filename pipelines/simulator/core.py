@@ -86,7 +86,7 @@ class Simulation:
             raise SimulatorError(f"no rollout instance: {self.split.rollout_gpus} accelerators, tp {cost.tp}")
         self.updates = cfg.steps * cfg.prompts_per_step // self.tbs
         K = self.mode.max_staleness
-        self.gate = VersionGate(K, self.tbs)
+        self.gate = VersionGate(K, self.tbs, stream=cfg.stream_updates)
         self.orchestrator = Orchestrator(rbs, group_budget=(self.updates + K + 2) * self.tbs,
                                          switching=switching_named(cfg.switching, cfg.versions_per_instance),
                                          group_size=cfg.group_size)
@@ -100,6 +100,8 @@ class Simulation:
         self.in_transit: list[tuple[float, str, int, list[Seq]]] = []  # (arrival, target, group, its requests)
         self.training: BatchDecision | None = None
         self.train_end = INF
+        self.trainer_free = 0.0  # when the trainer has computed every group of the batch it holds so far
+        self.streaming: set[int] = set()  # groups of the training batch not yet complete (streamed updates)
         self.ready: dict[int, float] = {}  # version -> when a peer holds it
         self.ended: list[Seq] = []  # rows that ended while an engine was synced for a change
         self.queued_loads: dict[str, tuple[int, list[Seq]]] = {}  # instance -> (next version, groups queued for it)
@@ -149,6 +151,8 @@ class Simulation:
                 self.moved.discard(seq.group)
                 self.orchestrator.on_group_done(seq.group)
                 self.gate.on_complete(seq.group)
+                if seq.group in self.streaming:
+                    self._stream_in(seq.group)
         self.ended = []
         return done
 
@@ -176,7 +180,7 @@ class Simulation:
             self._act(action)
         self.record.on_dispatch(self.now)
         self.record.on_gate(self.now, closed=self.mode.capacity(self) <= 0)
-        if self.training is None and len(self.gate.complete) >= self.tbs:
+        if self.training is None and (self.cfg.stream_updates or len(self.gate.complete) >= self.tbs):
             decision = self.gate.decide()
             if decision is not None:
                 self._train(decision)
@@ -248,11 +252,29 @@ class Simulation:
         return seconds
 
     def _train(self, decision: BatchDecision) -> None:
-        self.training = decision
-        lengths = [s.prompt + s.target for g in decision.group_ids for s in self.groups[g]]
-        self.train_end = self.now + self.cost.train_s(lengths, self.split.trainer_gpus)
-        self.record.on_train(decision, self.now, self.train_end)
+        """The trainer computes the batch's complete groups now and, with streamed updates, each pending straggler
+        once it completes (the cost model's training time adds up over sequences); it publishes after the last."""
+        self.training, self.streaming = decision, set(decision.pending)
+        self.trainer_free = self.now
+        self.record.on_train(decision, self.now)
+        self._compute([g for g in decision.group_ids if g not in self.streaming])
         self.mode.on_train_start(self)
+
+    def _stream_in(self, group_id: int) -> None:
+        self.streaming.discard(group_id)
+        self._compute([group_id], alone=True)
+
+    def _compute(self, group_ids: list[int], alone: bool = False) -> None:
+        """The trainer computes these groups after what it holds; `alone`: one group streamed in, whose sequences
+        run one an accelerator at most (data parallel), so it takes at least its longest sequence's time."""
+        lengths = [s.prompt + s.target for g in group_ids for s in self.groups[g]]
+        start = max(self.now, self.trainer_free)
+        seconds = self.cost.train_s(lengths, self.split.trainer_gpus)
+        if alone:
+            seconds = max(seconds, self.cost.train_s([max(lengths)], 1))
+        self.trainer_free = start + seconds
+        self.record.on_compute(start, self.trainer_free)
+        self.train_end = INF if self.streaming else self.trainer_free
 
     def _publish(self) -> None:
         decision, self.training, self.train_end = self.training, None, INF
