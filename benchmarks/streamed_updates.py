@@ -1,13 +1,13 @@
 """Streamed updates in the simulator: the trainer computes an update's complete groups while its stragglers run.
 
     python benchmarks/streamed_updates.py [--gpus 128] [--trainer-gpus 56 64 72] [--factors 1.0 0.999 1.001]
-                                          [--steps 24] [--jobs 2]
+                                          [--steps 24] [--seed 0] [--jobs 2]
 
 The cell is the beat-the-paper one of `paper_table.py` (DORA K=3, `switching=migrate`, RBS 1536, the paper's step of
 512 prompts x 16), at each given rollout/trainer split, with `SimConfig.stream_updates` off and on, beside sync on
 the same accelerators. Each row multiplies the calibrated `response_p50` by a factor (every response a hair longer
-or shorter), since a run's figure moves with where the longest responses land. Simulator only: virtual seconds,
-deterministic on any machine; the Dask pipeline does not stream updates yet.
+or shorter), since a run's figure moves with where the longest responses land; `--seed` draws other lengths.
+Simulator only: virtual seconds, deterministic on any machine; the Dask pipeline does not stream updates yet.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ CELL = {"mode": "dora", "max_staleness": 3, "switching": "migrate", "rollout_bat
 TARGETS = "tokens/s >= 2.5x sync, non-overlapped <= 8%, rollout bubble <= 5%, orchestration overhead <= 1%"
 
 
-def one_run(em, steps: int, settings: dict):
+def one_run(em, steps: int, seed: int, settings: dict):
     cfg = SimConfig(steps=steps, warmup_steps=2, **settings)
-    return simulate(cfg, cost_model_from(em), length_model_from(em, 0))
+    return simulate(cfg, cost_model_from(em), length_model_from(em, seed))
 
 
 def runs(em, args) -> dict:
@@ -50,7 +50,7 @@ def runs(em, args) -> dict:
 
     ems = [dataclasses.replace(em, response_p50=em.response_p50 * key[0]) for key in keys]
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = pool.map(one_run, ems, [args.steps] * len(keys), [settings(k) for k in keys])
+        results = pool.map(one_run, ems, [args.steps] * len(keys), [args.seed] * len(keys), [settings(k) for k in keys])
         return dict(zip(keys, results))
 
 
@@ -98,6 +98,7 @@ def main() -> int:
     parser.add_argument("--trainer-gpus", type=int, nargs="+", default=[56, 64, 72])
     parser.add_argument("--factors", type=float, nargs="+", default=[1.0, 0.999, 1.001])
     parser.add_argument("--steps", type=int, default=24, help="steps a run, the first 2 left out")
+    parser.add_argument("--seed", type=int, default=0, help="the length model's seed (responses drawn per prompt)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one process each")
     args = parser.parse_args()
     paper_table.ARGS = SimpleNamespace(steps=8)  # the calibration's own runs, as paper_table.py does them
@@ -108,7 +109,8 @@ def main() -> int:
     head = ["response_p50", "split", "sync tokens/s", "DORA tokens/s", "/ sync", "streamed tokens/s", "/ sync",
             "streamed / DORA", "non-overlapped (DORA / streamed)", "rollout bubble", "orchestration overhead",
             "C1 / C2 / C3", "streamed meets every target"]
-    print(f"\n{args.gpus} GPUs, {args.steps} steps a run (the first 2 left out). Targets: {TARGETS}.\n")
+    print(f"\n{args.gpus} GPUs, {args.steps} steps a run (the first 2 left out), length seed {args.seed}. "
+          f"Targets: {TARGETS}.\n")
     print(markdown_table(head, table(res, args)))
     print("\nMedians over the factors (range)\n")
     print(markdown_table(["split", "DORA / sync", "streamed / sync", "non-overlapped DORA", "streamed",

@@ -246,27 +246,21 @@ def test_the_open_bubble_splits_into_idle_while_the_gate_held_dispatch_and_idle_
     assert sync.gate_closed_share > dora.gate_closed_share
 
 
-def streamed_train_s(sim, update) -> float:
-    """An update's training time, streamed: its complete groups at once, then each straggler alone (whose sequences
-    spread over at most one accelerator each)."""
-    def lengths(groups):
-        return [s.prompt + s.target for g in groups for s in sim.groups[g]]
-
-    gpus = sim.split.trainer_gpus
-    at_once = [g for g in update.group_ids if g not in update.pending]
-    return COST.train_s(lengths(at_once), gpus) + sum(
-        max(COST.train_s(lengths([g]), gpus), COST.train_s([max(lengths([g]))], 1)) for g in update.pending)
-
-
 def test_streamed_updates_keep_the_constraints_and_the_trainer_computes_while_stragglers_run():
     _, plain = run("dora", max_staleness=1)
     sim, streamed = run("dora", max_staleness=1, stream_updates=True)
     assert streamed.c1_mixed_trajectories == 0 and streamed.c2_ok and streamed.c3_ok and streamed.staleness_max <= 1
     assert any(u.pending for u in sim.record.updates)  # some batches were handed over before their stragglers ended
-    published = [u for u in sim.record.updates if u.published]  # the run stops at its last publish
-    busy = sum(b - a for a, b in sim.record.trainer_busy if b <= published[-1].published)
-    assert busy == pytest.approx(sum(streamed_train_s(sim, u) for u in published), rel=1e-9)
-    assert all(u.end == u.published for u in published)
+    gpus, spans = sim.split.trainer_gpus, sim.record.trainer_busy
+    for u in (u for u in sim.record.updates if u.published):  # the run stops at its last publish
+        mine = [(a, b, groups, streamed) for a, b, groups, streamed in spans if a >= u.start and b <= u.end]
+        assert sorted(g for *_, groups, _ in mine for g in groups) == sorted(u.group_ids) and u.end == u.published
+        for a, b, groups, streamed_in in mine:  # each span: its groups' training time, streamed ones at least
+            lengths = [s.prompt + s.target for g in groups for s in sim.groups[g]]  # their longest sequence's
+            floor = COST.train_s([max(lengths)], 1) if streamed_in else 0.0
+            assert b - a == pytest.approx(max(COST.train_s(lengths, gpus), floor), rel=1e-9)
+            assert streamed_in == bool(set(groups) & set(u.pending))
+    assert any(len(groups) > 1 for _, _, groups, streamed in spans if streamed)  # stragglers taken together
     assert streamed.non_overlapped_share < plain.non_overlapped_share
 
 

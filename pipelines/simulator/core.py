@@ -102,6 +102,7 @@ class Simulation:
         self.train_end = INF
         self.trainer_free = 0.0  # when the trainer has computed every group of the batch it holds so far
         self.streaming: set[int] = set()  # groups of the training batch not yet complete (streamed updates)
+        self.streamed_in: list[int] = []  # of those, the ones that completed while the trainer was busy
         self.ready: dict[int, float] = {}  # version -> when a peer holds it
         self.ended: list[Seq] = []  # rows that ended while an engine was synced for a change
         self.queued_loads: dict[str, tuple[int, list[Seq]]] = {}  # instance -> (next version, groups queued for it)
@@ -132,7 +133,9 @@ class Simulation:
             changed = self._arrive() or changed
         if self.queued_loads:
             self._load_drained()
-        if self.train_end <= self.now:
+        if self.train_end <= self.now and self.streamed_in:
+            self._feed()
+        elif self.train_end <= self.now:
             self._publish()
             changed = True
         if changed:
@@ -252,9 +255,11 @@ class Simulation:
         return seconds
 
     def _train(self, decision: BatchDecision) -> None:
-        """The trainer computes the batch's complete groups now and, with streamed updates, each pending straggler
-        once it completes (the cost model's training time adds up over sequences); it publishes after the last."""
-        self.training, self.streaming = decision, set(decision.pending)
+        """The trainer computes the batch's complete groups now and, with streamed updates, the pending stragglers as
+        they complete (those complete whenever it is free, together); it publishes after the last. The cost model's
+        training time adds up over sequences, so streaming splits an update's work and adds to it only `_compute`'s
+        floor."""
+        self.training, self.streaming, self.streamed_in = decision, set(decision.pending), []
         self.trainer_free = self.now
         self.record.on_train(decision, self.now)
         self._compute([g for g in decision.group_ids if g not in self.streaming])
@@ -262,18 +267,26 @@ class Simulation:
 
     def _stream_in(self, group_id: int) -> None:
         self.streaming.discard(group_id)
-        self._compute([group_id], alone=True)
+        self.streamed_in.append(group_id)
+        if self.trainer_free <= self.now:
+            self._feed()
+        else:
+            self.train_end = self.trainer_free  # wake up to feed them in
 
-    def _compute(self, group_ids: list[int], alone: bool = False) -> None:
-        """The trainer computes these groups after what it holds; `alone`: one group streamed in, whose sequences
-        run one an accelerator at most (data parallel), so it takes at least its longest sequence's time."""
+    def _feed(self) -> None:
+        groups, self.streamed_in = self.streamed_in, []
+        self._compute(groups, streamed=True)
+
+    def _compute(self, group_ids: list[int], streamed: bool = False) -> None:
+        """The trainer computes these groups after what it holds. `streamed`: stragglers computed after the rest,
+        whose sequences run one an accelerator at most (data parallel), so they take at least their longest's time."""
         lengths = [s.prompt + s.target for g in group_ids for s in self.groups[g]]
         start = max(self.now, self.trainer_free)
         seconds = self.cost.train_s(lengths, self.split.trainer_gpus)
-        if alone:
+        if streamed:
             seconds = max(seconds, self.cost.train_s([max(lengths)], 1))
         self.trainer_free = start + seconds
-        self.record.on_compute(start, self.trainer_free)
+        self.record.on_compute(start, self.trainer_free, tuple(group_ids), streamed)
         self.train_end = INF if self.streaming else self.trainer_free
 
     def _publish(self) -> None:

@@ -79,15 +79,16 @@ class Recorder:
         self.budget_spent: tuple[float, dict[str, tuple]] | None = None  # when the last group was dispatched
         self.gate_marks: list[tuple[float, bool, dict[str, tuple]]] = []  # the gate closed / opened, engines' usage
         self.incomplete_trained = 0  # groups of a published update with a sample still running (C2 broken)
-        self.trainer_busy: list[tuple[float, float]] = []  # spans in which the trainer computes an update
+        self.trainer_busy: list[tuple] = []  # (start, end, groups, streamed): the trainer computing an update
 
     def on_train(self, decision: "BatchDecision", start: float) -> None:
         self.updates.append(Update(decision.update, start, start, decision.group_ids, decision.versions,
                                    pending=decision.pending))
 
-    def on_compute(self, start: float, end: float) -> None:
-        """The trainer computes the running update from `start` to `end` (one span, or one per streamed group)."""
-        self.trainer_busy.append((start, end))
+    def on_compute(self, start: float, end: float, group_ids: tuple[int, ...], streamed: bool) -> None:
+        """The trainer computes these groups of the running update from `start` to `end` (one span, or more when
+        stragglers stream in)."""
+        self.trainer_busy.append((start, end, group_ids, streamed))
         self.updates[-1].end = end
 
     def on_publish(self, decision: "BatchDecision", now: float) -> None:
@@ -124,7 +125,7 @@ class Recorder:
         start, end = self.window
         span = end - start
         tokens = sum(s.prompt + s.target for u in steady for g in u.group_ids for s in sim.groups[g])
-        training = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.trainer_busy)  # within the window
+        training = sum(max(0.0, min(b, end) - max(a, start)) for a, b, *_ in self.trainer_busy)  # within the window
         diff = [tuple(b - a for a, b in zip(self.usage0[n], self.usage1[n])) for n in sim.engines]
         engine_time = sum(span - d[3] for d in diff) or 1.0
         open_end, open_usage = self.budget_spent if self.budget_spent and self.budget_spent[0] < end else (end, self.usage1)
