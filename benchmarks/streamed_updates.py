@@ -7,7 +7,7 @@ The cell is the beat-the-paper one of `paper_table.py` (DORA K=3, `switching=mig
 512 prompts x 16), at each given rollout/trainer split, with `SimConfig.stream_updates` off and on, beside sync on
 the same accelerators. Each row multiplies the calibrated `response_p50` by a factor (every response a hair longer
 or shorter), since a run's figure moves with where the longest responses land; `--seed` draws other lengths.
-Simulator only: virtual seconds, deterministic on any machine; the Dask pipeline does not stream updates yet.
+Simulator only: virtual seconds, deterministic on any machine (on Dask: `dora.stream_updates=true`).
 """
 from __future__ import annotations
 

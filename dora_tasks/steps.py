@@ -19,7 +19,7 @@ from distributed import get_worker
 from dora_tasks.core.clock import Clock
 from dora_tasks.core.handover import Continuation, HandedOver, ResumedResponse, assemble_group
 from dora_tasks.core.records import (Generation, Group, Migration, Prompt, PublishedWeights, TrainBatch,
-                                     TrainerRestore, Trajectory, UpdateResult, WeightsReceived)
+                                     TrainerRestore, Trajectory, UpdatePart, UpdateResult, WeightsReceived)
 
 if TYPE_CHECKING:
     from storage.weight_store import WeightFiles
@@ -260,6 +260,43 @@ def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
     metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
     end = plugin.clock.now()
     return UpdateResult(batch.update, metrics, start, end, publish(engine, weight_store, plugin.clock))
+
+
+def update_part(batch: TrainBatch, before: UpdatePart | None, stragglers: bool) -> UpdatePart:
+    """A streamed update (`dora.stream_updates`): compute one part of update `batch.update`'s batch, after the parts
+    before it (`before`, a Dask dependency, so they run in order on the trainer's one TRAINER slot)."""
+    from distributed import Reschedule
+
+    from dora_tasks.plugins import trainer_plugin
+
+    plugin = trainer_plugin()
+    engine = plugin.engine_at(batch.update)
+    if engine is None:
+        raise Reschedule()
+    start = plugin.clock.now()
+    trainable = [g for g in batch.groups if not g.filtered]
+    engine.accumulate(TrainBatch(batch.update, trainable, batch.max_staleness), stragglers)
+    so_far = before or UpdatePart(batch.update, start)
+    return UpdatePart(batch.update, so_far.start_time, so_far.busy_s + plugin.clock.now() - start,
+                      so_far.groups + len(batch.groups), so_far.filtered + len(batch.groups) - len(trainable))
+
+
+def finish_update(parts: UpdatePart, weight_store: str) -> UpdateResult:
+    """The optimizer step of a streamed update over every part computed, then the publish of `parts.update + 1`."""
+    from dora_tasks.plugins import trainer_plugin
+
+    plugin = trainer_plugin()
+    engine = plugin.engine_at(parts.update)
+    if engine is None:
+        raise RuntimeError(f"update {parts.update}: the trainer left its version while its parts were computed")
+    metrics = engine.finish_update() if parts.filtered < parts.groups else {}
+    if parts.filtered == parts.groups:
+        engine.skip_step()
+    metrics = {k: float(v) for k, v in metrics.items()}
+    metrics["groups_filtered"] = float(parts.filtered)
+    end = plugin.clock.now()
+    return UpdateResult(parts.update, metrics, parts.start_time, end, publish(engine, weight_store, plugin.clock),
+                        busy_s=parts.busy_s)
 
 
 def publish(engine, weight_store: str, clock: Clock = Clock()) -> PublishedWeights:

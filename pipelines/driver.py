@@ -52,6 +52,7 @@ from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.migration import RequestMigration
 from pipelines.orchestrator import Orchestrator, Start
 from pipelines.reward_checks import REWARD_WARNING_EVERY_S, RateLimit, RewardChecks
+from pipelines.streamed_updates import StreamedUpdates
 from pipelines.trainer_recovery import TRAINER_LOSS, TrainerRecovery, loss_reason
 from pipelines.weight_sharing import SharedWeights
 from storage.checkpoint import CheckpointStore
@@ -88,7 +89,7 @@ def engine_kv_budget(cfg: Config) -> int:
 
 
 @dataclass
-class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
+class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, RewardChecks):
     cfg: Config
     client: Client
     gate: VersionGate
@@ -383,6 +384,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
             self.complete[group.group_id] = group
             self.store.append_migrations(group.migrations)
         self.emit(GroupsScored(task.group_ids, self.clock.now()))
+        if self.updates:
+            self.stream_in_scored()
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:
@@ -395,15 +398,18 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         checkpoint (which must find the trainer between two updates) follows the last update handed over."""
         if not self.updates:
             return True
+        if self.streaming():  # a later batch's first part would only wait for this update's version
+            return False
         last = self.updates[-1].decision.update
         return len(self.updates) <= self.cfg.dora.update_lookahead and not self.checkpoint_due(last + 1)
 
     def submit_update(self, decision: BatchDecision) -> None:
         """gate(u) -> update(u), which publishes u+1. A batch handed over early (lookahead) reaches the trainer while
         the previous update trains and starts the moment that one's weights are written."""
+        if any(g not in self.complete for g in decision.group_ids):
+            return self.submit_streamed_update(decision)
         u, c = decision.update, self.cfg
-        restarts = self.counters["trainer_restarts"]
-        suffix = (restarts,) if restarts else ()  # the key of a cancelled task is never reused
+        suffix = self.restart_suffix()
         batch = self.send_to_trainer([self.complete[g] for g in decision.group_ids])
         checked = self.client.submit(steps.gate, u, c.dora.max_staleness, c.rollout.group_size,
                                      c.rollout.partial_rollout, batch, key=self.task_key("gate", u, *suffix),
@@ -413,6 +419,11 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         self.updates.append(QueuedUpdate(decision, self.clock.now(), batch, checked, updated))
         self.track(updated, UpdateTask(u))
         self.emit(UpdateSubmitted(u, tuple(decision.group_ids), self.clock.now()))
+
+    def restart_suffix(self) -> tuple:
+        """Ends the keys of trainer tasks: the key of a task cancelled with a lost trainer is never reused."""
+        restarts = self.counters["trainer_restarts"]
+        return (restarts,) if restarts else ()
 
     def send_to_trainer(self, groups: list[Group]) -> Future:
         """The batch goes from the driver straight to the trainer's worker, not through the scheduler inside a task
@@ -439,7 +450,8 @@ class Driver(TrainerRecovery, RequestMigration, Evaluations, RewardChecks):
         self.orchestrator.on_publish(published.version)
         self.store.append_consumed(groups, decision.update, now)
         self.timeline.updates.append(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time,
-                                                  now, sum(g.num_tokens for g in groups), published.seconds))
+                                                  now, sum(g.num_tokens for g in groups), published.seconds,
+                                                  result.busy_s))
         metrics = update_metrics(decision.update, groups, result, self.timeline, max(self.live_recent, default=1),
                                  self.counters)
         self.store.append_update(decision.update, result.start_time, result.end_time, published.version,

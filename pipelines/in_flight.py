@@ -39,4 +39,11 @@ class QueuedUpdate:
     ready: float  # when the gate handed the batch over
     batch: Future  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
     checked: Future  # gate(u)
-    updated: Future  # update(u), which publishes version u + 1
+    updated: Future | None  # update(u), which publishes version u + 1 (a streamed update: once its last part is in)
+    # a streamed update (`dora.stream_updates`): its groups not sent to the trainer yet, and every future of its parts
+    # (batch, gate, part), the last part's last
+    waiting: set[int] = field(default_factory=set)
+    parts: list[Future] = field(default_factory=list)
+
+    def futures(self) -> list[Future]:
+        return [f for f in (self.batch, self.checked, self.updated, *self.parts) if f is not None]

@@ -31,6 +31,11 @@ class UpdateTiming:
     published: float  # the driver saw the new version published
     tokens: int  # prompt + response tokens of the consumed trajectories
     publish_seconds: float = 0.0
+    busy: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
+
+    def waiting_inside(self) -> float:
+        """Seconds a streamed update waited for its stragglers between its parts."""
+        return 0.0 if self.busy is None else max(0.0, self.end - self.start - self.busy)
 
 
 @dataclass
@@ -190,6 +195,7 @@ def trainer_bubble(tl: Timeline) -> float:
     if end <= start:
         return float("nan")
     busy = _overlap([(u.start, u.end + u.publish_seconds) for u in tl.updates], start, end)
+    busy -= sum(_share_within(u, start, end) * u.waiting_inside() for u in tl.updates)
     return 1.0 - min(1.0, busy / (end - start))
 
 
@@ -200,7 +206,14 @@ def non_overlapped_rollout_share(tl: Timeline) -> float:
         return float("nan")
     prev = [tl.t0] + [u.published for u in tl.updates[:-1]]
     waits = [(p, u.ready) for p, u in zip(prev, tl.updates) if u.ready > p]
-    return min(1.0, _overlap(waits, start, end) / (end - start))
+    inside = sum(_share_within(u, start, end) * u.waiting_inside() for u in tl.updates)
+    return min(1.0, (_overlap(waits, start, end) + inside) / (end - start))
+
+
+def _share_within(u: UpdateTiming, start: float, end: float) -> float:
+    """The share of an update's span inside [start, end] (a streamed update's waits are spread over its span)."""
+    span = u.end - u.start
+    return _overlap([(u.start, u.end)], start, end) / span if span > 0 else 0.0
 
 
 def rollout_bubble(busy: dict[str, list[tuple[float, float]]], start: float, end: float) -> float:

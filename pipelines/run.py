@@ -302,7 +302,8 @@ def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orc
     with open(os.path.join(run_dir, CONFIG_FILE), "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     d = cfg.dora
-    gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order)
+    gate = VersionGate(d.max_staleness, d.train_batch_size, lookahead=d.update_lookahead, order=d.batch_order,
+                       stream=d.stream_updates)
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size,
                         switching=_switching(cfg), group_size=cfg.rollout.group_size)
     return gate, orch, TrajectoryStore.create(store_path, _store_meta(cfg), overwrite=overwrite)
@@ -310,7 +311,8 @@ def _fresh_state(cfg: Config, overwrite: bool = False) -> tuple[VersionGate, Orc
 
 def _resumed_state(cfg: Config, ckpt):
     state = ckpt.state
-    gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead, order=cfg.dora.batch_order)
+    gate = VersionGate.from_state(state["gate"], lookahead=cfg.dora.update_lookahead, order=cfg.dora.batch_order,
+                                  stream=cfg.dora.stream_updates)
     gate.complete = set()  # rollouts not consumed at the checkpoint run again, on their own version
     d = cfg.dora
     orch = Orchestrator(d.rollout_batch_size, d.num_updates * d.train_batch_size, newest=gate.newest,

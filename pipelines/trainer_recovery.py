@@ -63,7 +63,7 @@ class TrainerRecovery:
                     self.gate.newest)
         queued = list(self.updates)
         self.updates.clear()
-        lost = [f for q in queued for f in (q.batch, q.checked, q.updated)]
+        lost = [f for q in queued for f in q.futures()]
         self.untrack(lost)
         self.client.cancel(lost)
         self.retain_weights(drop_unseen=True)

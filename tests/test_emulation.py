@@ -158,6 +158,32 @@ def test_the_emulated_trainer_sleeps_train_time_and_publishes_an_emulated_model(
     assert restored.version == 3 and restored.load_optimizer_state(str(tmp_path / "ckpt"))
 
 
+def test_a_streamed_update_sleeps_its_parts_and_stragglers_at_least_their_longest_sequence():
+    cfg = emulated_config("emulation.speedup=2000")
+    t: EmulatedTrainEngine = make_train_engine("", cfg.train, version=2, emulation=cfg.emulation)
+
+    def batch(*lengths):
+        trajectories = [Trajectory(0, i, np.ones(200, np.int32), np.ones(n, np.int32), np.full(n, 2, np.int32),
+                                   np.zeros(n, np.float32), True) for i, n in enumerate(lengths)]
+        return TrainBatch(2, [Group(0, None, 2, trajectories=trajectories)], 1)
+
+    gpus = cfg.emulation.trainer_gpus
+    t.accumulate(batch(1000, 2000), stragglers=False)
+    t.accumulate(batch(30000), stragglers=True)
+    assert t.version == 2  # no step before `finish_update`
+    metrics = t.finish_update()
+    rest, straggler = t.cost.train_s([1200, 2200], gpus), t.cost.train_s([30200], 1)
+    assert straggler > t.cost.train_s([30200], gpus)
+    assert metrics["emulated_train_s"] == pytest.approx(rest + straggler) and metrics["tokens_trained"] == 33600
+    assert t.version == 3 and t.finish_update()["tokens_trained"] == 0  # the next update starts from nothing
+
+
+def test_streamed_updates_need_the_emulated_trainer():
+    with pytest.raises(ConfigError, match="dora.stream_updates: .*train.engine=emulated only; got train.engine=torch"):
+        load_config(None, ["dora.stream_updates=true"])
+    assert emulated_config("dora.stream_updates=true").dora.stream_updates
+
+
 # ---- a real emulated run -----------------------------------------------------------------------------------------
 def worker_probe(dask_worker):
     import sys
@@ -235,6 +261,58 @@ def test_an_emulated_migrating_run_places_moves_by_the_kv_tokens_its_servers_rep
         summary = run.finish()
     assert summary.audit_ok, summary.audit_text
     assert seen["held"] > 0 and seen["groups"] > 1, seen
+
+
+def test_a_streamed_run_trains_while_its_stragglers_run_and_keeps_the_constraints(tmp_path):
+    """With dora.stream_updates the gate hands batches over before their stragglers complete; the trainer computes
+    the rest in parts, the stragglers after, and publishes once: every group is still trained once within K, also
+    after the trainer is killed while an update waits for its stragglers."""
+    import os
+    import signal
+
+    from pipelines.events import TrainerRestored
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+    from storage.trajectory_store import TrajectoryStore
+
+    cfg = load_config(None, EMULATED + [
+        "rollout.instances=4", "rollout.slots=3", "rollout.group_size=4", "rollout.max_new_tokens=4096",
+        "rollout.chunk_tokens=256", "emulation.response_p50=300", "emulation.speedup=100",
+        "dora.train_batch_size=4", "dora.rollout_batch_size=12", "dora.num_updates=6", "dora.max_staleness=1",
+        "dora.stream_updates=true", "task.num_prompts=64", "task.eval_prompts=4", "cluster.cpu_workers=1",
+        "cluster.cpu_threads=2", "cluster.worker_memory=1GiB", "storage.checkpoint_interval=3",
+        "tracking.plots=false", "tracking.live_view=false", f"storage.run_dir={tmp_path / 'run'}",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db"])
+    streamed: dict[int, int] = {}
+    killed: list[int] = []
+
+    def probe(d) -> None:
+        for q in d.updates:
+            if q.waiting:
+                streamed[q.decision.update] = max(streamed.get(q.decision.update, 0), len(q.waiting))
+                if not killed and q.decision.update >= 2 and len(q.parts) >= 3:
+                    killed.append(q.decision.update)
+                    os.kill(d.client.run(os.getpid, workers=[d.trainer])[d.trainer], signal.SIGKILL)
+
+    restored: list = []
+    with open_run(cfg) as run:
+        run.driver.subscribe(lambda e: restored.append(e) if isinstance(e, TrainerRestored) else None)
+        stream(run.driver, probe)
+        timings = list(run.driver.timeline.updates)
+        summary = run.finish()
+    assert summary.audit_ok, summary.audit_text
+    assert streamed, "no batch was handed over before its stragglers"
+    assert killed and len(restored) == 1, (killed, restored)
+    updates = TrajectoryStore.open(summary.store).read_table("updates")
+    assert updates["published_version"].tolist() == list(range(1, 7))  # each version published once
+    waited = [u for u in timings if u.busy is not None]  # streamed (one sent again whole after the kill is not)
+    assert len(waited) >= 2
+    assert all(0 < u.busy <= u.end - u.start for u in waited) and any(u.waiting_inside() > 0 for u in waited)
+    assert 0.0 <= summary.metrics["non_overlapped_rollout_share"] <= 1.0
+    rows = TrajectoryStore.open(cfg.storage.resolved("trajectory_store")).read_table("trajectories")
+    trained = set(zip(rows["group_id"].tolist(), rows["sample_idx"].tolist()))
+    assert len(rows["group_id"]) == len(trained) == 6 * 4 * 4  # TBS x G a version, each response once
+    assert set(rows["consumed_by"].tolist()) == set(range(6))
 
 
 def test_the_run_is_tagged_emulated_for_mlflow():

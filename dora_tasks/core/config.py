@@ -234,6 +234,8 @@ class DoraConfig:
 
     batch_order: str = "completion"  # which groups fill a batch: "completion" = the first complete ones (streaming),
     #                                  "dispatch" = in dispatch order, waiting for them (unbiased by response length)
+    stream_updates: bool = False  # hand an update its batch before its stragglers (version u - K) complete: the
+    #                               trainer computes the rest meanwhile (pipelines/streamed_updates.py)
 
     def validate(self) -> None:
         _choice(self.batch_order, "dora.batch_order", ("completion", "dispatch"))
@@ -392,6 +394,9 @@ class Config:
         if self.rollout.partial_rollout:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
+        _require(not self.dora.stream_updates or self.train.engine == "emulated", "dora.stream_updates",
+                 "an update accumulated over several tasks is implemented for train.engine=emulated only; got "
+                 f"train.engine={self.train.engine}")
         return self
 
     @property

@@ -76,6 +76,15 @@ class TrainEngine(ABC):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy update on `batch` (advantages already set); returns scalar metrics. Advances `version` by one."""
 
+    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
+        """A streamed update (`dora.stream_updates`): compute one part of the update's batch, the optimizer step
+        waiting for `finish_update`; `stragglers`: a part that completed after the rest."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream updates (dora.stream_updates)")
+
+    def finish_update(self) -> dict[str, float]:
+        """The optimizer step over every part `accumulate` computed since the last update; advances `version`."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream updates (dora.stream_updates)")
+
     @abstractmethod
     def save_weights(self, path: str) -> None:
         """Write the current policy weights as a Hugging Face model folder (config.json + model.safetensors)."""

@@ -181,6 +181,18 @@ class UpdateResult:
     start_time: float
     end_time: float  # the train step's end; the publish of version `update + 1` follows
     published: PublishedWeights | None = None
+    busy_s: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
+
+
+@dataclass
+class UpdatePart:
+    """A streamed update so far (`dora.stream_updates`): the parts of its batch the trainer has computed."""
+
+    update: int
+    start_time: float  # the first part began
+    busy_s: float = 0.0  # seconds spent computing its parts
+    groups: int = 0
+    filtered: int = 0  # groups that an algorithmic filter left out of the loss
 
 
 @dataclass

@@ -6,6 +6,10 @@ by `emulation.speedup` and advances the version; its metrics are the emulated tr
 name and the version), which the emulated rollout engine loads. Publishing is not charged on the trainer: the
 weight-transfer time is paid by each instance that loads the version (`EmulatedRolloutEngine.load_version`).
 Checkpoints hold the version only (there is no optimizer state to keep).
+
+Streamed updates (`dora.stream_updates`): `accumulate` sleeps each part's `train_s`, a part of stragglers at least
+its longest sequence's time on one accelerator (data parallel: a sequence runs on one), as the simulator charges it;
+`finish_update` advances the version.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class EmulatedTrainEngine(TrainEngine):
         self.gpus = emulation.trainer_gpus
         self.model = emulation.model
         self.clock = Clock(emulation.speedup)
+        self.parts = [0.0, 0.0]  # a streamed update so far: emulated seconds, tokens
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         lengths = [t.num_tokens for g in batch.groups for t in g.trajectories]
@@ -35,6 +40,22 @@ class EmulatedTrainEngine(TrainEngine):
         self.clock.sleep(seconds)
         self.version += 1
         return {"emulated_train_s": seconds, "tokens_trained": float(sum(lengths))}
+
+    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
+        lengths = [t.num_tokens for g in batch.groups for t in g.trajectories]
+        if not lengths:
+            return
+        seconds = self.cost.train_s(lengths, self.gpus)
+        if stragglers:
+            seconds = max(seconds, self.cost.train_s([max(lengths)], 1))
+        self.clock.sleep(seconds)
+        self.parts[0] += seconds
+        self.parts[1] += sum(lengths)
+
+    def finish_update(self) -> dict[str, float]:
+        (seconds, tokens), self.parts = self.parts, [0.0, 0.0]
+        self.version += 1
+        return {"emulated_train_s": seconds, "tokens_trained": float(tokens)}
 
     def save_weights(self, path: str) -> None:
         write_model_folder(path, self.model, self.version)

@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                    "emulation.lora_rank > 0; implies --switching drain)")
     p.add_argument("--stream-updates", action="store_const", const=True,
                    help="dora: hand a batch to the trainer before its stragglers complete; it computes the rest "
-                   "meanwhile (simulator only: the Dask pipeline does not stream updates yet)")
+                   "meanwhile (dora.stream_updates on Dask)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -35,7 +35,7 @@ class SimConfig:
     # the source's chunk boundary and the resume task; 0 moves them at once
     handover_s: float = 0.0
     # streamed updates (`VersionGate.stream`): a batch is handed over before its stragglers complete and the trainer
-    # computes the complete groups meanwhile, each straggler as it completes; the Dask pipeline does not do this yet
+    # computes the complete groups meanwhile, the stragglers as they complete (`dora.stream_updates` on Dask)
     stream_updates: bool = False
 
     def validate(self) -> "SimConfig":
