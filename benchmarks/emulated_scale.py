@@ -195,6 +195,7 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         "throughput": summary.metrics["throughput_tokens_per_s"], "step_s": summary.metrics["step_time_s"],
         "rollout_bubble": summary.metrics["rollout_bubble"], "open_bubble": summary.metrics["open_rollout_bubble"],
         "open_bubble_held": summary.metrics["open_rollout_bubble_held"],
+        "non_overlapped": summary.metrics["non_overlapped_rollout_share"],
         "gate_closed_share": summary.metrics["gate_closed_share"], "open_window_s": summary.metrics["open_window_s"],
         "orchestration_cpu_s": orchestration[0], "emulated_run_s": summary.metrics["wall_s"],
         "migrations": summary.metrics.get("migrations", 0.0),

@@ -101,7 +101,8 @@ def sim_settings(cfg, decision_interval_s: float = 0.0):
                     prompts_per_step=d.train_batch_size, group_size=r.group_size, train_batch_size=d.train_batch_size,
                     rollout_batch_size=d.rollout_batch_size, switching=cfg.switching, max_rows=e.max_rows,
                     trainer_gpus=e.trainer_gpus, steps=d.num_updates, warmup_steps=2,
-                    decision_interval_s=decision_interval_s, versions_per_instance=r.versions_per_instance)
+                    decision_interval_s=decision_interval_s, versions_per_instance=r.versions_per_instance,
+                    stream_updates=d.stream_updates)
     return sim, cost_model_from(e), length_model_from(e, d.seed)
 
 

@@ -106,6 +106,7 @@ def simulated(cfg) -> dict:
         return {"sim_note": str(unmodelled)}
     return {"sim_tokens_per_s": figures.tokens_per_s, "sim_rollout_bubble": figures.rollout_bubble,
             "sim_open_bubble": result.open_rollout_bubble, "sim_open_bubble_held": result.open_rollout_bubble_held,
+            "sim_non_overlapped": result.non_overlapped_share,
             "sim_migrations": result.migrations, "sim_c_ok": result.c2_ok and result.c3_ok
             and result.c1_mixed_trajectories == 0, "sim_wall_s": time.perf_counter() - start}
 
@@ -124,16 +125,19 @@ COLUMNS = [
     ("throughput", "tokens/s (emu)", "{:,.0f}"), ("step_s", "step (emu s)", "{:.1f}"),
     ("rollout_bubble", "rollout bubble", "{:.1%}"), ("open_bubble", "open bubble", "{:.1%}"),
     ("open_bubble_held", "open bubble: gate held / free", "{}"), ("gate_closed_share", "gate closed", "{:.0%}"),
+    ("non_overlapped", "non-overlapped", "{:.1%}"),
     ("open_window_s", "open window (emu s)", "{:,.0f}"), ("overhead_share", "orch + transfer (of step)", "{}"),
     ("migrations", "migrations", "{:.0f}"), ("gain_drain", "gain vs drain", "{:+.1%}"),
     ("gain_queue", "gain vs queue", "{:+.1%}"), ("machine_share", "machine busy", "{:.0%}"),
     ("cpu_paced", "paced by", "{}"), ("audit_ok", "audit C1-C3", "{}"),
     ("sim_tokens_per_s", "sim tokens/s (diff)", "{}"), ("sim_rollout_bubble", "sim bubble (diff)", "{}"),
     ("sim_open_bubble", "sim open bubble (diff)", "{}"), ("sim_open_bubble_held", "sim gate held / free", "{}"),
+    ("sim_non_overlapped", "sim non-overlapped (diff)", "{}"),
     ("wall_s", "loop wall (s)", "{:.0f}"),
 ]
 
-SIM_BUBBLES = {"sim_rollout_bubble": "rollout_bubble", "sim_open_bubble": "open_bubble"}  # sim: its Dask column
+SIM_BUBBLES = {"sim_rollout_bubble": "rollout_bubble", "sim_open_bubble": "open_bubble",  # sim: its Dask column
+               "sim_non_overlapped": "non_overlapped"}
 
 
 def cell(row: dict, key: str, fmt: str) -> str:
@@ -147,7 +151,7 @@ def cell(row: dict, key: str, fmt: str) -> str:
     if key in ("open_bubble_held", "sim_open_bubble_held") and value is not None:
         whole = row["open_bubble" if key == "open_bubble_held" else "sim_open_bubble"]
         return f"{value:.1%} / {whole - value:.1%}"
-    if key in SIM_BUBBLES and value is not None:
+    if key in SIM_BUBBLES and value is not None and row.get(SIM_BUBBLES[key]) is not None:
         return f"{value:.1%} ({value - row[SIM_BUBBLES[key]]:+.1%})"
     return formatted(key, value, fmt)
 
