@@ -45,7 +45,7 @@ from pipelines.cluster import CPU, REWARD_MODEL, ROLLOUT, TRAINER, PausedWorkers
 from pipelines.evaluation import Evaluations
 from pipelines.events import (EvaluationTask, Event, GroupOrder, GroupRolledOut, GroupsScored, HandOverTask, Published,
                               ResumeTask, RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted,
-                              UpdateTask)
+                              UpdatePartTask, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
 from pipelines.in_flight import InFlight, QueuedUpdate
 from pipelines.metrics import Timeline, UpdateTiming, update_metrics
@@ -195,6 +195,18 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
     @_done.register
     def _(self, task: ResumeTask, future: Future) -> None:
         self.on_resumed(task, future)
+
+    @_done.register
+    def _(self, task: UpdatePartTask, future: Future) -> None:
+        try:
+            future.result()
+        except TRAINER_LOSS as exc:
+            self.recover_trainer(f"update {task.update} failed in part {task.part}: {loss_reason(exc)}")
+            return
+        except Exception:  # noqa: BLE001 - named in the RunError below
+            self._raise_if_failed(future)
+            raise
+        self.stream_in_scored()
 
     @_done.register
     def _(self, task: ScoringTask, future: Future) -> None:

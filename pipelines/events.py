@@ -33,6 +33,12 @@ class UpdateTask:
 
 
 @dataclass(frozen=True)
+class UpdatePartTask:
+    update: int  # one part of a streamed update (`dora.stream_updates`); its end lets the next part go
+    part: int
+
+
+@dataclass(frozen=True)
 class EvaluationTask:
     version: int
     attempt: int
@@ -70,7 +76,7 @@ class ResumeTask:
     instance: str
 
 
-Task = RolloutTask | ScoringTask | UpdateTask | EvaluationTask | HandOverTask | ResumeTask
+Task = RolloutTask | ScoringTask | UpdateTask | UpdatePartTask | EvaluationTask | HandOverTask | ResumeTask
 
 
 # ---- events ------------------------------------------------------------------------------------------------------

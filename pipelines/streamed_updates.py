@@ -6,8 +6,8 @@ in order on the trainer's one TRAINER slot:
 
     batch(complete groups) ─► gate ─► update_part ─► ... ─► update_part(stragglers) ─► finish_update (publish u+1)
 
-A part of stragglers is sent as soon as a driver turn scored some of them; `finish_update` follows the part that
-holds the last. Until then no later batch is handed over (its first part would only wait for this update's version).
+Stragglers go to the trainer together once it has finished the part before (a part costs at least its longest
+sequence, so one part per straggler would queue those costs); `finish_update` follows the part that holds the last. Until then no later batch is handed over (its first part would only wait for this update's version).
 A lost trainer sends the whole decision again (`recover_trainer` -> `submit_update`): its parts start over from the
 groups complete by then. Implemented for the emulated train engine (`TrainEngine.accumulate`).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dora_tasks import steps
 from pipelines.cluster import TRAINER
-from pipelines.events import UpdateSubmitted, UpdateTask
+from pipelines.events import UpdatePartTask, UpdateSubmitted, UpdateTask
 from pipelines.gate import BatchDecision
 from pipelines.in_flight import QueuedUpdate
 
@@ -33,10 +33,12 @@ class StreamedUpdates:
         self._submit_part(queued, ready, stragglers=False)
 
     def stream_in_scored(self) -> None:
-        """Send the stragglers scored since the last call to the updates that wait for them."""
+        """Send the stragglers scored so far to the updates that wait for them, once their trainer finished the part
+        before (called as groups are scored and as parts end)."""
         for queued in list(self.updates):
             arrived = sorted(g for g in queued.waiting if g in self.complete)
-            if arrived and self._queued(queued):
+            computing = queued.parts and not queued.parts[-1].done()
+            if arrived and not computing and self._queued(queued):
                 queued.waiting.difference_update(arrived)
                 self._submit_part(queued, arrived, stragglers=True)
 
@@ -57,6 +59,7 @@ class StreamedUpdates:
         part = self.client.submit(steps.update_part, checked, before, stragglers, key=self.task_key("update-part", *key),
                                   resources=TRAINER, pure=False)
         queued.parts += [batch, checked, part]
+        self.track(part, UpdatePartTask(u, key[1]))
         if queued.batch is None:
             queued.batch, queued.checked = batch, checked
         if not queued.waiting:
