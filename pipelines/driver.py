@@ -198,15 +198,8 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
 
     @_done.register
     def _(self, task: UpdatePartTask, future: Future) -> None:
-        try:
-            future.result()
-        except TRAINER_LOSS as exc:
-            self.recover_trainer(f"update {task.update} failed in part {task.part}: {loss_reason(exc)}")
-            return
-        except Exception:  # noqa: BLE001 - named in the RunError below
-            self._raise_if_failed(future)
-            raise
-        self.stream_in_scored()
+        if self._trainer_result(future, f"update {task.update} failed in part {task.part}") is not None:
+            self.stream_in_scored()
 
     @_done.register
     def _(self, task: ScoringTask, future: Future) -> None:
@@ -215,19 +208,24 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
 
     @_done.register
     def _(self, task: UpdateTask, future: Future) -> None:
-        try:
-            result: UpdateResult = future.result()
-        except TRAINER_LOSS as exc:
-            self.recover_trainer(f"update {task.update} failed: {loss_reason(exc)}")
-            return
-        except Exception:  # noqa: BLE001 - named in the RunError below
-            self._raise_if_failed(future)
-            raise
-        self.on_published(task, result)
+        result: UpdateResult | None = self._trainer_result(future, f"update {task.update} failed")
+        if result is not None:
+            self.on_published(task, result)
 
     @_done.register
     def _(self, task: EvaluationTask, future: Future) -> None:
         self.on_evaluated(task, future)
+
+    def _trainer_result(self, future: Future, failed: str):
+        """A trainer task's result; None when the trainer was lost (it is recovered, its updates sent again)."""
+        try:
+            return future.result()
+        except TRAINER_LOSS as exc:
+            self.recover_trainer(f"{failed}: {loss_reason(exc)}")
+            return None
+        except Exception:  # noqa: BLE001 - named in the RunError below
+            self._raise_if_failed(future)
+            raise
 
     def _raise_if_failed(self, future: Future) -> None:
         if future.status == "error":
