@@ -46,6 +46,9 @@ def test_prefill_train_and_weight_loads():
     assert COST.prefill_s(1000) == pytest.approx(prefill, rel=1e-12)
     train = 8 * (32.5e9 * 8000 + 64 * 5120 * 8 * 1000**2) / (32 * 989.4e12 * 0.25)
     assert COST.train_s([1000] * 8, 32) == pytest.approx(train, rel=1e-12)
+    alone = 8 * (32.5e9 * 30000 + 64 * 5120 * 30000**2) / (989.4e12 * 0.25)  # one 30K sequence on one accelerator
+    assert COST.straggler_train_s([30000, 1000], 32) == pytest.approx(alone, rel=1e-12)
+    assert COST.straggler_train_s([1000] * 64, 32) == pytest.approx(COST.train_s([1000] * 64, 32), rel=1e-12)
     assert COST.weights_from_peer_s() == pytest.approx(65e9 / (2 * 50e9))
     assert COST.weights_from_store_s() == pytest.approx(65e9 / (2 * 2e9))
 

@@ -10,6 +10,7 @@ are split over them, so bandwidth and FLOP/s add up. The formulas (each a roofli
 * prefill of `n` tokens: ``2 P n + 2 L d n^2`` FLOPs at ``tp * peak * prefill_mfu`` (one causal attention square);
 * training on sequences of lengths ``l_i``: ``f P sum(l_i) + f L d sum(l_i^2)`` FLOPs at ``gpus * peak * train_mfu``,
   with ``f = train_flops_factor`` (8: a forward for the old log-probs, then forward and backward; causal attention);
+  a streamed update's stragglers take at least their longest sequence on one accelerator;
 * weights moved: ``W`` bytes over the bandwidth of the path (each of the `tp` accelerators takes its shard in
   parallel over its own link); with LoRA (`lora_rank` > 0) a version after the base moves as its adapter alone,
   ``A`` bytes (rank-r adapters on every attention and MLP projection, `ModelSpec.adapter_bytes`);
@@ -131,6 +132,11 @@ class CostModel:
             total += n
             square += n * n
         return self.train_s_of_sums(total, square, gpus)
+
+    def straggler_train_s(self, lengths: list[int], gpus: int) -> float:
+        """A streamed update's part computed after the rest (`dora.stream_updates`): `train_s`, but at least its
+        longest sequence's on one accelerator, since data parallelism runs a sequence on one."""
+        return max(self.train_s(lengths, gpus), self.train_s([max(lengths)], 1))
 
     def train_s_of_sums(self, total: int, square: int, gpus: int) -> float:
         """`train_s` of sequences whose lengths sum to `total` and whose squared lengths sum to `square`."""

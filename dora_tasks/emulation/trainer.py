@@ -45,9 +45,7 @@ class EmulatedTrainEngine(TrainEngine):
         lengths = [t.num_tokens for g in batch.groups for t in g.trajectories]
         if not lengths:
             return
-        seconds = self.cost.train_s(lengths, self.gpus)
-        if stragglers:
-            seconds = max(seconds, self.cost.train_s([max(lengths)], 1))
+        seconds = (self.cost.straggler_train_s if stragglers else self.cost.train_s)(lengths, self.gpus)
         self.clock.sleep(seconds)
         self.parts[0] += seconds
         self.parts[1] += sum(lengths)

@@ -278,14 +278,12 @@ class Simulation:
         self._compute(groups, streamed=True)
 
     def _compute(self, group_ids: list[int], streamed: bool = False) -> None:
-        """The trainer computes these groups after what it holds. `streamed`: stragglers computed after the rest,
-        whose sequences run one an accelerator at most (data parallel), so they take at least their longest's time."""
+        """The trainer computes these groups after what it holds; `streamed`: stragglers computed after the rest
+        (`CostModel.straggler_train_s`)."""
         lengths = [s.prompt + s.target for g in group_ids for s in self.groups[g]]
         start = max(self.now, self.trainer_free)
-        seconds = self.cost.train_s(lengths, self.split.trainer_gpus)
-        if streamed:
-            seconds = max(seconds, self.cost.train_s([max(lengths)], 1))
-        self.trainer_free = start + seconds
+        self.trainer_free = start + (self.cost.straggler_train_s if streamed else self.cost.train_s)(
+            lengths, self.split.trainer_gpus)
         self.record.on_compute(start, self.trainer_free, tuple(group_ids), streamed)
         self.train_end = INF if self.streaming else self.trainer_free
 
