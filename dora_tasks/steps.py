@@ -253,11 +253,8 @@ def update(batch: TrainBatch, weight_store: str) -> UpdateResult:
         raise Reschedule()
     start = plugin.clock.now()
     trainable = [g for g in batch.groups if not g.filtered]
-    metrics = engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)) if trainable else {}
-    if not trainable:
-        engine.skip_step()
-    metrics = {k: float(v) for k, v in metrics.items()}
-    metrics["groups_filtered"] = float(len(batch.groups) - len(trainable))
+    metrics = _stepped(engine, lambda: engine.train_step(TrainBatch(batch.update, trainable, batch.max_staleness)),
+                       len(batch.groups), len(batch.groups) - len(trainable))
     end = plugin.clock.now()
     return UpdateResult(batch.update, metrics, start, end, publish(engine, weight_store, plugin.clock))
 
@@ -289,14 +286,19 @@ def finish_update(parts: UpdatePart, weight_store: str) -> UpdateResult:
     engine = plugin.engine_at(parts.update)
     if engine is None:
         raise RuntimeError(f"update {parts.update}: the trainer left its version while its parts were computed")
-    metrics = engine.finish_update() if parts.filtered < parts.groups else {}
-    if parts.filtered == parts.groups:
-        engine.skip_step()
-    metrics = {k: float(v) for k, v in metrics.items()}
-    metrics["groups_filtered"] = float(parts.filtered)
+    metrics = _stepped(engine, engine.finish_update, parts.groups, parts.filtered)
     end = plugin.clock.now()
     return UpdateResult(parts.update, metrics, parts.start_time, end, publish(engine, weight_store, plugin.clock),
                         busy_s=parts.busy_s)
+
+
+def _stepped(engine, step: Callable[[], dict], groups: int, filtered: int) -> dict[str, float]:
+    """The optimizer step's metrics, or a skipped step (the version still advances) when an algorithmic filter left
+    none of the update's groups in the loss."""
+    metrics = step() if filtered < groups else {}
+    if filtered == groups:
+        engine.skip_step()
+    return {**{k: float(v) for k, v in metrics.items()}, "groups_filtered": float(filtered)}
 
 
 def publish(engine, weight_store: str, clock: Clock = Clock()) -> PublishedWeights:
