@@ -37,8 +37,8 @@ class InFlight:
 class QueuedUpdate:
     decision: BatchDecision
     ready: float  # when the gate handed the batch over
-    batch: Future  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
-    checked: Future  # gate(u)
+    batch: Future | None  # the batch's groups, on the trainer (kept until the update ends: the gate may run again)
+    checked: Future | None  # gate(u) (a streamed update: None, its parts hold theirs)
     updated: Future | None  # update(u), which publishes version u + 1 (a streamed update: once its last part is in)
     # a streamed update (`dora.stream_updates`): its groups not sent to the trainer yet, and every future of its parts
     # (batch, gate, part), the last part's last

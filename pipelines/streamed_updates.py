@@ -9,7 +9,7 @@ in order on the trainer's one TRAINER slot:
 Stragglers go to the trainer together once it has finished the part before (a part costs at least its longest
 sequence, so one part per straggler would queue those costs); `finish_update` follows the part that holds the last. Until then no later batch is handed over (its first part would only wait for this update's version).
 A lost trainer sends the whole decision again (`recover_trainer` -> `submit_update`): its parts start over from the
-groups complete by then. Implemented for the emulated train engine (`TrainEngine.accumulate`).
+groups complete by then. Every train engine computes parts (`TrainEngine.accumulate`, `finish_update`).
 """
 from __future__ import annotations
 
@@ -60,8 +60,6 @@ class StreamedUpdates:
                                   resources=TRAINER, pure=False)
         queued.parts += [batch, checked, part]
         self.track(part, UpdatePartTask(u, key[1]))
-        if queued.batch is None:
-            queued.batch, queued.checked = batch, checked
         if not queued.waiting:
             queued.updated = self.client.submit(steps.finish_update, part, self.weights.root,
                                                 key=self.task_key("update", u, *self.restart_suffix()),

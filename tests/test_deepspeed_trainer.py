@@ -21,7 +21,7 @@ from dora_tasks.algorithms.objective import batch_tensors, sequence_logprobs
 from dora_tasks.engines.factory import make_train_engine
 from dora_tasks.engines.torch_trainer import TorchTrainEngine
 from dora_tasks.core.config import ConfigError, TrainConfig
-from test_trainers import build_tiny_model, make_batch
+from test_trainers import build_tiny_model, make_batch, parts_of
 
 pytestmark = [pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
@@ -107,6 +107,20 @@ def adam_state(engine) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in base.state[p].items()} for p in master]
 
 
+def shard_every_parameter(monkeypatch) -> None:
+    """The tiny model's parameters are all under ZeRO-3's persistence threshold: shard them as a big one's."""
+    from dora_tasks.engines import deepspeed_trainer
+
+    original_config = deepspeed_trainer.deepspeed_config
+
+    def sharded_config(cfg) -> dict:
+        config = original_config(cfg)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return config
+
+    monkeypatch.setattr(deepspeed_trainer, "deepspeed_config", sharded_config)
+
+
 def logprobs(model, batch) -> torch.Tensor:
     tensors = batch_tensors(batch)
     with torch.no_grad():
@@ -146,6 +160,26 @@ def test_zero_stage_step_matches_torch_and_saves_loadable_weights(stage, distrib
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("stage, sharded", [(0, False), (2, False), (3, True)], ids=["zero0", "zero2", "zero3-sharded"])
+def test_streamed_parts_step_as_torchs_one_step_on_their_union(stage, sharded, distributed, tiny_model, batches,
+                                                               torch_reference, monkeypatch):
+    if sharded:
+        shard_every_parameter(monkeypatch)
+    expected_metrics, expected_logp = torch_reference
+    engine = make_train_engine(tiny_model, ds_config(stage), version=0)
+    try:
+        for part, stragglers in zip(parts_of(batches[0], 1), (False, True)):
+            engine.accumulate(part, stragglers)
+        assert engine.version == 0
+        metrics = engine.finish_update()
+        assert engine.version == 1
+        for key in ("loss", "clip_fraction", "approx_kl", "entropy", "grad_norm", "tokens"):
+            assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+        torch.testing.assert_close(logprobs(engine.engine.module, batches[0]), expected_logp, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_round_trip_reproduces_the_next_step(stage, distributed, tiny_model, batches, tmp_path):
     first, second = batches
@@ -175,17 +209,8 @@ def test_checkpoint_round_trip_reproduces_the_next_step(stage, distributed, tiny
 def test_load_optimizer_state_keeps_the_published_weights_and_matches_torch(stage, sharded, distributed, tiny_model,
                                                                            restart_batches, restart_reference,
                                                                            tmp_path, monkeypatch):
-    if sharded:  # the tiny model's parameters are all under ZeRO-3's persistence threshold: shard them as a big one's
-        from dora_tasks.engines import deepspeed_trainer
-
-        original_config = deepspeed_trainer.deepspeed_config
-
-        def sharded_config(cfg) -> dict:
-            config = original_config(cfg)
-            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-            return config
-
-        monkeypatch.setattr(deepspeed_trainer, "deepspeed_config", sharded_config)
+    if sharded:
+        shard_every_parameter(monkeypatch)
     original = make_train_engine(tiny_model, ds_config(stage))
     try:
         saved = train_until_restart(original, restart_batches, tmp_path, at_checkpoint=lambda: adam_state(original))

@@ -178,12 +178,6 @@ def test_a_streamed_update_sleeps_its_parts_and_stragglers_at_least_their_longes
     assert t.version == 3 and t.finish_update()["tokens_trained"] == 0  # the next update starts from nothing
 
 
-def test_streamed_updates_need_the_emulated_trainer():
-    with pytest.raises(ConfigError, match="dora.stream_updates: .*train.engine=emulated only; got train.engine=torch"):
-        load_config(None, ["dora.stream_updates=true"])
-    assert emulated_config("dora.stream_updates=true").dora.stream_updates
-
-
 # ---- a real emulated run -----------------------------------------------------------------------------------------
 def worker_probe(dask_worker):
     import sys

@@ -172,3 +172,34 @@ def test_groups_that_finish_together_are_scored_by_one_reward_and_one_advantage_
     assert len(consumed_table(summary)["group_id"]) == cfg.rollout.group_size * groups
     assert sum(batch_sizes) == groups and max(batch_sizes) >= 2  # every group scored once, some of them together
     assert batches < groups
+
+
+@pytest.mark.slow
+def test_streamed_updates_on_the_torch_trainer_keep_the_constraints(small_config, shared_cluster):
+    """dora.stream_updates on a real trainer: batches handed over before their groups all complete are trained in
+    parts (`TorchTrainEngine.accumulate`), each version published once, every group trained once, on-policy."""
+    from pipelines.run import open_run
+    from pipelines.streaming import stream
+
+    # K=0: update u's groups are all of version u, handed over once dispatched and taken as they complete
+    cfg = small_config(*CONSTRAINT_RUN, "dora.max_staleness=0", "dora.stream_updates=true")
+    streamed: set[int] = set()
+
+    def probe(d) -> None:
+        streamed.update(q.decision.update for q in d.updates if q.waiting)
+
+    with open_run(cfg, inputs=RunInputs(client=shared_cluster(cfg))) as run:
+        stream(run.driver, probe)
+        parts = [u for u in run.driver.timeline.updates if u.busy is not None]
+        summary = run.finish()
+    report = audit_store(summary.store, 0)
+    assert report.ok, report.to_text()
+    G, TBS, N = cfg.rollout.group_size, cfg.dora.train_batch_size, cfg.dora.num_updates
+    assert streamed == set(range(N)) and len(parts) == N, (streamed, len(parts))
+    t = consumed_table(summary)
+    assert len(set(zip(t["group_id"].tolist(), t["sample_idx"].tolist()))) == len(t["group_id"]) == G * TBS * N
+    updates = TrajectoryStore.open(summary.store).read_table("updates")
+    assert updates["published_version"].tolist() == list(range(1, N + 1))
+    assert np.all(np.isfinite(updates["metrics/loss"]))
+    trained_rows = updates["metrics/trajectories"] + G * updates["metrics/groups_filtered"]
+    assert trained_rows.tolist() == [G * TBS] * N  # every part's groups in its update's step

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dora_tasks.algorithms import UnknownAlgorithmError
+from dora_tasks.algorithms.losses import UNIT_NORM, LossNorm, aggregate
 from dora_tasks.algorithms.objective import batch_tensors, policy_objective, sequence_logprobs
 from dora_tasks.core.config import ConfigError, TrainConfig
 from dora_tasks.core.records import Group, Prompt, TrainBatch, Trajectory
@@ -120,6 +121,28 @@ def test_micro_batching_accumulates_the_full_batch_gradient(tiny_model, batch, a
         assert loss == pytest.approx(grads[0][0], rel=1e-5, abs=1e-7)
         for a, b in zip(grad, grads[0][1]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def parts_of(batch: TrainBatch, first: int) -> tuple[TrainBatch, TrainBatch]:
+    """The batch as a streamed update gets it: its first `first` groups, then the rest (the stragglers)."""
+    return (TrainBatch(batch.update, batch.groups[:first], batch.max_staleness),
+            TrainBatch(batch.update, batch.groups[first:], batch.max_staleness))
+
+
+def test_unit_norm_divided_by_the_batch_divisor_is_the_batch_loss():
+    rng = torch.Generator().manual_seed(0)
+    per_token = torch.randn(5, 7, generator=rng)
+    mask = (torch.rand(5, 7, generator=rng) > 0.3).float()
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        for norm_len in (0, 11):
+            cfg = TrainConfig(loss_agg=agg, loss_norm_len=norm_len)
+            norm = LossNorm.of(mask, cfg)
+            assert norm == LossNorm.of_lengths(mask.sum(-1).tolist(), cfg)
+            expected = aggregate(per_token, mask, agg, norm)
+            assert float(aggregate(per_token, mask, agg, UNIT_NORM) / norm.divisor(agg)) == pytest.approx(
+                float(expected), rel=1e-6)
+    with pytest.raises(ValueError, match="unknown loss_agg 'sum'"):
+        UNIT_NORM.divisor("sum")
 
 
 # ---------------------------------------------------------------- engine
@@ -308,6 +331,39 @@ def test_all_filtered_batch_skips_the_update_but_advances_the_version(tiny_model
     metrics = engine.train_step(filtered)
     assert engine.version == 1 and metrics["loss"] == 0.0 and metrics["groups_filtered"] == 3
     assert all(torch.equal(before[k], v) for k, v in params(engine.model).items())
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0], ids=["clipped", "unclipped"])  # 0.05: below the gradient's norm
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_streamed_parts_step_as_one_train_step_on_their_union(tiny_model, batch, agg, clip):
+    cfg = TrainConfig(micro_batch=5, lr=1e-2, loss_agg=agg, max_grad_norm=clip)
+    whole = TorchTrainEngine(tiny_model, cfg)
+    expected = whole.train_step(batch)
+    streamed = TorchTrainEngine(tiny_model, cfg)
+    first, stragglers = parts_of(batch, 1)
+    streamed.accumulate(first, stragglers=False)
+    streamed.accumulate(stragglers, stragglers=True)
+    assert streamed.version == 0
+    got = streamed.finish_update()
+    assert streamed.version == 1 and expected["grad_norm"] > 0.05
+    for key in ("loss", "clip_fraction", "approx_kl", "entropy", "grad_norm", "reward_mean"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    for key in ("trajectories", "tokens", "response_tokens"):
+        assert got[key] == expected[key], key
+    for mine, theirs in zip(streamed.model.parameters(), whole.model.parameters()):  # the clipped gradients stepped
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_streamed_update_refuses_parts_of_another_update_and_a_finish_without_parts(tiny_model, batch):
+    engine = TorchTrainEngine(tiny_model, TrainConfig())
+    with pytest.raises(RuntimeError, match="update 0: finish_update without a part"):
+        engine.finish_update()
+    engine.accumulate(TrainBatch(0, [], 1), stragglers=False)  # a part whose every group was filtered: nothing
+    assert engine.streamed is None
+    engine.accumulate(parts_of(batch, 1)[0], stragglers=False)
+    later = TrainBatch(1, batch.groups[1:], batch.max_staleness)
+    with pytest.raises(ValueError, match="a part of update 1 joined the parts of update 0"):
+        engine.accumulate(later, stragglers=True)
 
 
 def test_factory_and_early_errors(tiny_model):

@@ -8,6 +8,8 @@ metrics are plain floats: `clip_fraction`, `approx_kl` (k3 estimate of KL(behavi
 Aggregation (`cfg.loss_agg`) and its normalisers (`LossNorm`): a micro-batch's loss is divided by the normalisers of the
 WHOLE batch, so the micro-batch losses of one update sum exactly to the full-batch loss (correct gradient accumulation).
 Called without `norm`, the normalisers come from the given mask (the loss of that batch alone).
+A streamed update, whose batch is whole only at its last part, takes each part with `UNIT_NORM` and divides the summed
+gradient by `LossNorm.divisor` of the whole batch.
 - `token_mean`: sum over all response tokens / number of response tokens (DAPO's token-level loss).
 - `seq_mean_token_mean`: mean over trajectories of each trajectory's token mean (the original GRPO).
 - `seq_mean_token_sum_norm`: mean over trajectories of token sum / a constant (Dr. GRPO): `cfg.loss_norm_len`, or the
@@ -31,6 +33,7 @@ How these differ from their papers, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -51,10 +54,25 @@ class LossNorm:
     @classmethod
     def of(cls, mask: Tensor, cfg) -> "LossNorm":
         """Normalisers of the batch whose response mask [B,T] is `mask`."""
-        lengths = mask.sum(-1)
-        longest = float(lengths.max()) if lengths.numel() else 0.0
-        return cls(tokens=max(float(lengths.sum()), 1.0), sequences=max(float(mask.shape[0]), 1.0),
-                   seq_len=max(float(cfg.loss_norm_len) or longest, 1.0))
+        return cls.of_lengths(mask.sum(-1).tolist(), cfg)
+
+    @classmethod
+    def of_lengths(cls, lengths: Sequence[float], cfg) -> "LossNorm":
+        """Normalisers of a batch whose trajectories have `lengths` response tokens each."""
+        return cls(tokens=max(float(sum(lengths)), 1.0), sequences=max(float(len(lengths)), 1.0),
+                   seq_len=max(float(cfg.loss_norm_len) or float(max(lengths, default=0.0)), 1.0))
+
+    def divisor(self, mode: str) -> float:
+        """What `aggregate` divides by in `mode`: aggregate(.., norm) == aggregate(.., UNIT_NORM) / norm.divisor(mode),
+        so gradients taken with `UNIT_NORM` become the batch's by one division (a streamed update's parts)."""
+        divisors = {"token_mean": self.tokens, "seq_mean_token_mean": self.sequences,
+                    "seq_mean_token_sum_norm": self.seq_len * self.sequences}
+        if mode not in divisors:
+            raise ValueError(f"unknown loss_agg {mode!r}; valid: {', '.join(divisors)}")
+        return divisors[mode]
+
+
+UNIT_NORM = LossNorm(tokens=1.0, sequences=1.0, seq_len=1.0)  # sums, to be divided once the whole batch is known
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm: LossNorm) -> Tensor:

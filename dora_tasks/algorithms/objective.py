@@ -148,7 +148,7 @@ def micro_batches(tensors: dict[str, Tensor], size: int, call_tokens: int = 0) -
 
 def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, backward: Backward | None = None,
                      device: torch.device | str | None = None,
-                     temperature: float = 1.0) -> tuple[Tensor, dict[str, float]]:
+                     temperature: float = 1.0, norm: LossNorm | None = None) -> tuple[Tensor, dict[str, float]]:
     """Loss of the whole batch, computed over micro-batches of at most `cfg.micro_batch` trajectories (planned by
     `plan_micro_batches` with `cfg.micro_batch_call_tokens`).
 
@@ -157,9 +157,10 @@ def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, bac
     micro-batch's graph is alive) and the returned loss is detached; without it, the returned loss holds every
     graph. Metrics are token-weighted means over micro-batches (maxima for `*_max`) plus `loss`. Log-probs (policy
     and reference) are taken at `temperature`, which must be the one the behaviour log-probs were sampled at.
+    `norm`: other normalisers than this batch's (`UNIT_NORM`: one part of a streamed update).
     """
     loss_fn = get_loss(cfg.loss)
-    norm = LossNorm.of(tensors["response_mask"], cfg)
+    norm = norm or LossNorm.of(tensors["response_mask"], cfg)
     device = device if device is not None else next(model.parameters()).device
     chunks = micro_batches(tensors, cfg.micro_batch, cfg.micro_batch_call_tokens)
     total: Tensor = torch.zeros((), device=device)
@@ -172,7 +173,7 @@ def policy_objective(model, tensors: dict[str, Tensor], cfg, ref_model=None, bac
             loss = loss.detach()
         total = total + loss
         collected.append((float(chunk["response_mask"].sum()), metrics))
-    merged = _merge_metrics(collected)
+    merged = merge_metrics(collected)
     merged["loss"] = float(total.detach())
     return total, merged
 
@@ -193,7 +194,8 @@ def _micro_batch_loss(model, chunk: dict[str, Tensor], cfg, loss_fn, norm: LossN
     return loss, metrics
 
 
-def _merge_metrics(collected: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+def merge_metrics(collected: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """(weight, metrics) of micro-batches or parts -> weighted means, maxima for `*_max`."""
     weight = sum(w for w, _ in collected)
     merged: dict[str, float] = {}
     for w, metrics in collected:

@@ -394,9 +394,6 @@ class Config:
         if self.rollout.partial_rollout:
             _require(self.rollout.engine in ("hf", "emulated"), "rollout.partial_rollout",
                      "the partial-rollout baseline is implemented for rollout.engine=hf and emulated only")
-        _require(not self.dora.stream_updates or self.train.engine == "emulated", "dora.stream_updates",
-                 "an update accumulated over several tasks is implemented for train.engine=emulated only; got "
-                 f"train.engine={self.train.engine}")
         return self
 
     @property

@@ -12,6 +12,10 @@ Simplifications, and why:
   boundary is set off before the first micro-batch and on for the last backward, then `engine.step()` runs once.
   DeepSpeed's config therefore says gradient_accumulation_steps=1; the objective normalises each micro-batch by the
   whole batch, so no DeepSpeed loss scaling is involved (fp32, no fp16 loss scaler).
+- A streamed update (`accumulate` / `finish_update`, see `streamed_parts`) keeps the boundary off through every
+  part; `finish_update` crosses it with a zero loss on one token (no part knows it is the last), then divides the
+  gradient by the whole batch's normaliser with `deepspeed.utils.safe_update_full_grad_vectorized` (DeepSpeed's API
+  for partitioned gradients between backward and step).
 - The model is loaded whole and partitioned by `deepspeed.initialize` (no `zero.Init` at load): fine for the models
   that fit one host, which is what this project trains. The reference model (kl_coef > 0) is a plain frozen copy.
 - ZeRO-3 weights are gathered with `deepspeed.zero.GatheredParameters` to write the Hugging Face folder.
@@ -35,6 +39,7 @@ import socket
 
 import torch
 
+from dora_tasks.algorithms.losses import UNIT_NORM, LossNorm
 from dora_tasks.algorithms.objective import policy_objective
 from dora_tasks.core.contracts import TrainEngine
 from dora_tasks.core.records import TrainBatch
@@ -46,6 +51,7 @@ from dora_tasks.engines.hf_io import (
     write_hf_folder,
 )
 from dora_tasks.engines.lora import adapter_dropout, load_trainable_policy, reference_policy, write_adapter_folder
+from dora_tasks.engines.streamed_parts import StreamedParts
 
 CHECKPOINT_TAG_PREFIX = "version_"
 
@@ -134,6 +140,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                         config=deepspeed_config(train_cfg))
         self.ref_model = reference_policy(self.engine.module, model_path, self.engine.device, train_cfg, self.base)
+        self.streamed: StreamedParts | None = None  # a streamed update's parts so far (`accumulate`)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -141,23 +148,67 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.version += 1
         return metrics
 
+    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
+        """One part of a streamed update: its gradient joins the parts' before it (`streamed_parts`), the
+        accumulation boundary off."""
+        if not batch.groups:
+            return
+        if self.streamed is None:
+            self.streamed = StreamedParts(batch)
+        self.streamed.add(batch, self.cfg.advantage,
+                          lambda tensors: self._backward(tensors, boundary_at_end=False, norm=UNIT_NORM))
+
+    def finish_update(self) -> dict[str, float]:
+        """The step over every part: a zero loss at the accumulation boundary (ZeRO reduces and partitions the
+        gradient there), the gradient divided by the whole batch's normaliser (DeepSpeed's partitioned-gradient
+        API), then `engine.step()`."""
+        parts, self.streamed = self.streamed, None
+        if parts is None:
+            raise RuntimeError(f"update {self.version}: finish_update without a part to step on")
+        metrics = parts.metrics(self.cfg)
+        if parts.has_tokens:
+            self._boundary_backward()
+            divisor = parts.divisor(self.cfg)
+            trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
+            self._deepspeed.utils.safe_update_full_grad_vectorized(trainable, lambda grad, _: grad / divisor)
+            metrics["grad_norm"] = self._step()
+        self.version += 1
+        return metrics
+
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        metrics = self._backward(tensors, boundary_at_end=True)
+        metrics["grad_norm"] = self._step()
+        return metrics
+
+    def _backward(self, tensors: dict[str, torch.Tensor], boundary_at_end: bool,
+                  norm: LossNorm | None = None) -> dict[str, float]:
         engine = self.engine
         engine.set_gradient_accumulation_boundary(False)
 
         def backward(loss: torch.Tensor, last: bool) -> None:
-            if last:
+            if last and boundary_at_end:
                 engine.set_gradient_accumulation_boundary(True)
             engine.backward(loss)
 
         with adapter_dropout(engine.module, self.cfg.lora.dropout > 0):
             _, metrics = policy_objective(engine, tensors, self.cfg, self.ref_model, backward=backward,
-                                          device=engine.device, temperature=self.temperature)
-        pre_step_norm = self._unreduced_grad_norm() if self.cfg.zero_stage == 0 else 0.0
-        engine.step()
-        reported = engine.get_global_grad_norm()  # None at stage 0
-        metrics["grad_norm"] = float(reported) if reported is not None else pre_step_norm
+                                          device=engine.device, temperature=self.temperature, norm=norm)
         return metrics
+
+    def _boundary_backward(self) -> None:
+        """A one-token forward whose loss is zero, backward with the boundary on: the accumulated gradient stays as
+        it is and goes through DeepSpeed's boundary (which a part cannot know it is the last to reach)."""
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(True)
+        token = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
+        engine.backward(engine(input_ids=token).logits.sum() * 0.0)
+
+    def _step(self) -> float:
+        """`engine.step()`; returns the gradient norm (DeepSpeed's, or computed before the step at stage 0)."""
+        pre_step_norm = self._unreduced_grad_norm() if self.cfg.zero_stage == 0 else 0.0
+        self.engine.step()
+        reported = self.engine.get_global_grad_norm()  # None at stage 0
+        return float(reported) if reported is not None else pre_step_norm
 
     def _unreduced_grad_norm(self) -> float:
         """Stage 0 keeps plain .grad tensors and DeepSpeed does not record their norm: compute it before the step."""

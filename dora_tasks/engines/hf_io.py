@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -110,16 +111,18 @@ def _move_into_place(staging: str, path: str) -> None:
             os.replace(os.path.join(staging, name), os.path.join(path, name))
 
 
-def batch_summary(batch: TrainBatch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Metrics of the batch itself (not of the update): sizes, tokens, rewards, staleness."""
+def batch_summary(batch: TrainBatch) -> dict[str, float]:
+    """Metrics of the batch itself (not of the update): sizes, tokens, rewards, staleness; filtered groups are left
+    out of the sizes, as they are of the loss."""
     staleness = batch.staleness or [0]
-    rewards = tensors["rewards"]
+    trajectories = [t for g in batch.groups if not g.filtered for t in g.trajectories]
+    rewards = [t.reward for t in trajectories]
     return {
-        "trajectories": float(rewards.numel()),
+        "trajectories": float(len(trajectories)),
         "groups_filtered": float(sum(1 for g in batch.groups if g.filtered)),
-        "tokens": float(tensors["attention_mask"].sum()),  # prompt + response tokens trained on
-        "response_tokens": float(tensors["response_mask"].sum()),
-        "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "tokens": float(sum(t.num_tokens for t in trajectories)),  # prompt + response tokens trained on
+        "response_tokens": float(sum(float(np.sum(t.loss_mask)) for t in trajectories)),
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "staleness_mean": float(sum(staleness) / len(staleness)),
         "staleness_max": float(max(staleness)),
     }
@@ -146,7 +149,7 @@ def timed_train_step(batch: TrainBatch, advantage: str, update) -> dict[str, flo
 
     clock = Stopwatch()
     tensors = batch_tensors(batch, advantage=advantage)
-    metrics = {**batch_summary(batch, tensors), **empty_update_metrics()}
+    metrics = {**batch_summary(batch), **empty_update_metrics()}
     if metrics["response_tokens"] > 0:
         metrics.update(update(tensors))
     metrics["seconds"] = clock.seconds()

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from dora_tasks.algorithms.losses import UNIT_NORM, LossNorm
 from dora_tasks.algorithms.objective import policy_objective
 from dora_tasks.core.contracts import TrainEngine
 from dora_tasks.core.records import TrainBatch
@@ -33,6 +34,7 @@ from dora_tasks.engines.lora import (
     reference_policy,
     write_adapter_folder,
 )
+from dora_tasks.engines.streamed_parts import StreamedParts
 
 CHECKPOINT_FILE = "trainer.pt"
 
@@ -51,6 +53,7 @@ class TorchTrainEngine(TrainEngine):
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=0.0)
         self.ref_model = reference_policy(self.model, model_path, self.device, train_cfg, self.base)
+        self.streamed: StreamedParts | None = None  # a streamed update's parts so far (`accumulate`)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -58,17 +61,49 @@ class TorchTrainEngine(TrainEngine):
         self.version += 1
         return metrics
 
+    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
+        """One part of a streamed update: its gradient joins the parts' before it (`streamed_parts`)."""
+        if not batch.groups:
+            return
+        if self.streamed is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.streamed = StreamedParts(batch)
+        self.streamed.add(batch, self.cfg.advantage, lambda tensors: self._backward(tensors, UNIT_NORM))
+
+    def finish_update(self) -> dict[str, float]:
+        """The step over every part, its summed gradient divided by the whole batch's normaliser."""
+        parts, self.streamed = self.streamed, None
+        if parts is None:
+            raise RuntimeError(f"update {self.version}: finish_update without a part to step on")
+        metrics = parts.metrics(self.cfg)
+        if parts.has_tokens:
+            metrics["grad_norm"] = self._step(parts.divisor(self.cfg))
+        self.version += 1
+        return metrics
+
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
+        metrics = self._backward(tensors)
+        metrics["grad_norm"] = self._step()
+        return metrics
+
+    def _backward(self, tensors: dict[str, torch.Tensor], norm: LossNorm | None = None) -> dict[str, float]:
         with adapter_dropout(self.model, self.cfg.lora.dropout > 0):
             _, metrics = policy_objective(self.model, tensors, self.cfg, self.ref_model,
                                           backward=lambda loss, last: loss.backward(), device=self.device,
-                                          temperature=self.temperature)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        metrics["grad_norm"] = float(grad_norm)
+                                          temperature=self.temperature, norm=norm)
         return metrics
+
+    def _step(self, divisor: float = 1.0) -> float:
+        """Clip and step; `divisor`: what the accumulated gradient is divided by first. Returns the gradient norm."""
+        trainable = [p for p in self.model.parameters() if p.grad is not None]
+        if divisor != 1.0:
+            for p in trainable:
+                p.grad.div_(divisor)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        self.optimizer.step()
+        return float(grad_norm)
 
     def save_weights(self, path: str) -> None:
         """The policy as a Hugging Face folder; with LoRA, the adapter folder alone (with the base's identity)."""
