@@ -164,7 +164,8 @@ def table(rows: list[dict]) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--instances", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--switchings", nargs="+", choices=SWITCHINGS, default=list(SWITCHINGS))
+    p.add_argument("--switchings", nargs="*", choices=SWITCHINGS, default=list(SWITCHINGS),
+                   help="none given: only the --variant rows")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=key=value,...",
                    help="a further switching setting, run beside the three")
     p.add_argument("--slots", type=int, default=16, help="groups per instance; RBS = N x slots, TBS = RBS / (K + 1); "
