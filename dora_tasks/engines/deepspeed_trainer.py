@@ -51,7 +51,7 @@ from dora_tasks.engines.hf_io import (
     write_hf_folder,
 )
 from dora_tasks.engines.lora import adapter_dropout, load_trainable_policy, reference_policy, write_adapter_folder
-from dora_tasks.engines.streamed_parts import StreamedParts
+from dora_tasks.engines.streamed_parts import StreamsUpdates
 
 CHECKPOINT_TAG_PREFIX = "version_"
 
@@ -113,7 +113,7 @@ def deepspeed_config(train_cfg) -> dict:
     }
 
 
-class DeepSpeedTrainEngine(TrainEngine):
+class DeepSpeedTrainEngine(StreamsUpdates, TrainEngine):
     def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0, *,
                  replicated_batch: bool = False, base_path: str = ""):
         """`replicated_batch`: allow WORLD_SIZE > 1, each rank being handed the same whole TrainBatch; `base_path`:
@@ -140,7 +140,6 @@ class DeepSpeedTrainEngine(TrainEngine):
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                         config=deepspeed_config(train_cfg))
         self.ref_model = reference_policy(self.engine.module, model_path, self.engine.device, train_cfg, self.base)
-        self.streamed: StreamedParts | None = None  # a streamed update's parts so far (`accumulate`)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -148,32 +147,19 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.version += 1
         return metrics
 
-    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
-        """One part of a streamed update: its gradient joins the parts' before it (`streamed_parts`), the
-        accumulation boundary off."""
-        if not batch.groups:
-            return
-        if self.streamed is None:
-            self.streamed = StreamedParts(batch)
-        self.streamed.add(batch, self.cfg.advantage,
-                          lambda tensors: self._backward(tensors, boundary_at_end=False, norm=UNIT_NORM))
+    def start_parts(self) -> None:
+        pass  # DeepSpeed zeroes the gradient after each step
 
-    def finish_update(self) -> dict[str, float]:
-        """The step over every part: a zero loss at the accumulation boundary (ZeRO reduces and partitions the
-        gradient there), the gradient divided by the whole batch's normaliser (DeepSpeed's partitioned-gradient
-        API), then `engine.step()`."""
-        parts, self.streamed = self.streamed, None
-        if parts is None:
-            raise RuntimeError(f"update {self.version}: finish_update without a part to step on")
-        metrics = parts.metrics(self.cfg)
-        if parts.has_tokens:
-            self._boundary_backward()
-            divisor = parts.divisor(self.cfg)
-            trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
-            self._deepspeed.utils.safe_update_full_grad_vectorized(trainable, lambda grad, _: grad / divisor)
-            metrics["grad_norm"] = self._step()
-        self.version += 1
-        return metrics
+    def part_backward(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        return self._backward(tensors, boundary_at_end=False, norm=UNIT_NORM)
+
+    def divided_step(self, divisor: float) -> float:
+        """A zero loss at the accumulation boundary (ZeRO reduces and partitions the gradient there), the gradient
+        divided with DeepSpeed's partitioned-gradient API, then `engine.step()`."""
+        self._boundary_backward()
+        trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
+        self._deepspeed.utils.safe_update_full_grad_vectorized(trainable, lambda grad, _: grad / divisor)
+        return self._step()
 
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics = self._backward(tensors, boundary_at_end=True)

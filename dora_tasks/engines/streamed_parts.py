@@ -61,3 +61,29 @@ class StreamedParts:
         merged = merge_metrics(self.collected)
         loss = self.unit_loss / self.divisor(cfg) if self.has_tokens else 0.0
         return {**summary, **empty_update_metrics(), **merged, "loss": loss, "seconds": self.seconds}
+
+
+class StreamsUpdates:
+    """`TrainEngine.accumulate` / `finish_update` of the torch and DeepSpeed engines, which supply `start_parts`
+    (before an update's first part), `part_backward` (a part's objective with `UNIT_NORM`, gradients accumulated)
+    and `divided_step` (the step after dividing the gradient; returns its norm)."""
+
+    streamed: StreamedParts | None = None  # the parts of the update so far
+
+    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
+        if not batch.groups:
+            return
+        if self.streamed is None:
+            self.start_parts()
+            self.streamed = StreamedParts(batch)
+        self.streamed.add(batch, self.cfg.advantage, self.part_backward)
+
+    def finish_update(self) -> dict[str, float]:
+        parts, self.streamed = self.streamed, None
+        if parts is None:
+            raise RuntimeError(f"update {self.version}: finish_update without a part to step on")
+        metrics = parts.metrics(self.cfg)
+        if parts.has_tokens:
+            metrics["grad_norm"] = self.divided_step(parts.divisor(self.cfg))
+        self.version += 1
+        return metrics

@@ -34,12 +34,12 @@ from dora_tasks.engines.lora import (
     reference_policy,
     write_adapter_folder,
 )
-from dora_tasks.engines.streamed_parts import StreamedParts
+from dora_tasks.engines.streamed_parts import StreamsUpdates
 
 CHECKPOINT_FILE = "trainer.pt"
 
 
-class TorchTrainEngine(TrainEngine):
+class TorchTrainEngine(StreamsUpdates, TrainEngine):
     def __init__(self, model_path: str, train_cfg, version: int = 0, temperature: float = 1.0,
                  device: str | torch.device | None = None, base_path: str = ""):
         """`base_path`: where workers read the base model (train.lora: recorded with each adapter)."""
@@ -53,7 +53,6 @@ class TorchTrainEngine(TrainEngine):
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=0.0)
         self.ref_model = reference_policy(self.model, model_path, self.device, train_cfg, self.base)
-        self.streamed: StreamedParts | None = None  # a streamed update's parts so far (`accumulate`)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches accumulate gradients); advances `version`."""
@@ -61,25 +60,14 @@ class TorchTrainEngine(TrainEngine):
         self.version += 1
         return metrics
 
-    def accumulate(self, batch: TrainBatch, stragglers: bool) -> None:
-        """One part of a streamed update: its gradient joins the parts' before it (`streamed_parts`)."""
-        if not batch.groups:
-            return
-        if self.streamed is None:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.streamed = StreamedParts(batch)
-        self.streamed.add(batch, self.cfg.advantage, lambda tensors: self._backward(tensors, UNIT_NORM))
+    def start_parts(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
-    def finish_update(self) -> dict[str, float]:
-        """The step over every part, its summed gradient divided by the whole batch's normaliser."""
-        parts, self.streamed = self.streamed, None
-        if parts is None:
-            raise RuntimeError(f"update {self.version}: finish_update without a part to step on")
-        metrics = parts.metrics(self.cfg)
-        if parts.has_tokens:
-            metrics["grad_norm"] = self._step(parts.divisor(self.cfg))
-        self.version += 1
-        return metrics
+    def part_backward(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        return self._backward(tensors, UNIT_NORM)
+
+    def divided_step(self, divisor: float) -> float:
+        return self._step(divisor)
 
     def _update(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
