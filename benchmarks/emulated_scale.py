@@ -17,7 +17,8 @@ through the real driver (`open_run` + `stream`) attached to it, and measure with
 * groups in flight (the most, over the driver's turns), emulated throughput and rollout bubble (the run's summary).
 
 A row is marked CPU-PACED when this machine rather than the emulated hardware may have set the pace: driver plus
-scheduler above 80% of a core, or the machine above 90% busy. The markdown table is printed and written to
+scheduler above 80% of a core, the machine above 90% busy, or the driver's mean reaction lag (from a future finishing
+to the driver's next decisions, `pipelines.metrics`) above 2% of the step in emulated seconds. The markdown table is printed and written to
 benchmarks/results/emulated_scale.md (with `--out` elsewhere).
 """
 from __future__ import annotations
@@ -38,6 +39,9 @@ from benchmarks.tables import formatted, markdown_table  # noqa: E402 - after th
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_PACED_CORE_SHARE = 0.8
 CPU_PACED_MACHINE_SHARE = 0.9
+# Hand-overs to the trainer and a streamed update's parts wait on the driver's turn: a mean lag of this share of the
+# step costs up to as much throughput where the trainer sets the pace.
+CPU_PACED_REACTION_SHARE = 0.02
 # The trainer's worker holds the batches handed to it (update lookahead + 1; at TBS 512 x G 16 a batch is hundreds
 # of MB of token arrays) and the CPU worker scores whole groups: `cluster.worker_memory` sizes the rollout workers.
 TRAINER_AND_CPU_MEMORY = "6GiB"
@@ -200,9 +204,12 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         "orchestration_cpu_s": orchestration[0], "emulated_run_s": summary.metrics["wall_s"],
         "migrations": summary.metrics.get("migrations", 0.0),
         "migration_s": summary.metrics.get("migrations", 0.0) * summary.metrics.get("migration_s_mean", 0.0),
+        "reaction_lag_s": summary.metrics["driver_reaction_lag_mean_s"],
+        "reaction_lag_share": summary.metrics["driver_reaction_lag_step_share"],
     })
     row.update(consume_latency(cfg))
-    row["cpu_paced"] = row["core_share"] > CPU_PACED_CORE_SHARE or machine > CPU_PACED_MACHINE_SHARE
+    row["cpu_paced"] = (row["core_share"] > CPU_PACED_CORE_SHARE or machine > CPU_PACED_MACHINE_SHARE
+                        or row["reaction_lag_share"] > CPU_PACED_REACTION_SHARE)
     return row
 
 
@@ -261,7 +268,8 @@ COLUMNS = [
     ("sched_s_per_update", "scheduler CPU / update (s)", "{:.2f}"),
     ("core_share", "driver+sched (core share)", "{:.0%}"), ("machine_share", "machine busy", "{:.0%}"),
     ("latency_p50_s", "group end -> update p50 (emu s)", "{:.0f}"),
-    ("latency_p90_s", "p90 (emu s)", "{:.0f}"), ("in_flight_max", "groups in flight (max)", "{}"),
+    ("latency_p90_s", "p90 (emu s)", "{:.0f}"), ("reaction_lag_share", "driver reaction lag (of step)", "{:.2%}"),
+    ("in_flight_max", "groups in flight (max)", "{}"),
     ("throughput", "throughput (emu tok/s)", "{:,.0f}"), ("step_s", "step (emu s)", "{:.1f}"),
     ("rollout_bubble", "rollout bubble", "{:.1%}"), ("wall_s", "loop wall (s)", "{:.0f}"),
     ("audit_ok", "audit", "{}"), ("cpu_paced", "paced by", "{}"),

@@ -124,7 +124,8 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
     _synced: float = 0.0
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
-    _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # watched futures, as they finish
+    _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (clock time, future), as they finish
+    _taken: list[float] = field(default_factory=list)  # when the futures taken in since the last decisions finished
     _server_reports: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # servers' chunk reports
     _listening: bool = False  # subscribed to the servers' chunk reports
     outbox: dict[str, list[GroupOrder]] = field(default_factory=dict)  # source -> hand-over orders not sent yet
@@ -235,7 +236,7 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
     def track(self, future: Future, task: Task) -> Future:
         """Wait on `future` as `task`: it is queued for `on_done` when it finishes."""
         self.tracked[future] = task
-        future.add_done_callback(self._finished.put)
+        future.add_done_callback(lambda f: self._finished.put((self.clock.now(), f)))
         return future
 
     def wait_done(self, futures: list[Future]) -> None:
@@ -259,7 +260,15 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
             return []
         while not self._finished.empty():
             done.append(self._finished.get())
-        return [f for f in done if f in self.tracked]
+        self._taken.extend(t for t, f in done if f in self.tracked)
+        return [f for _, f in done if f in self.tracked]
+
+    def acted(self) -> None:
+        """The turn's decisions are made: record the reaction lag of the futures taken in before them."""
+        now = self.clock.now()
+        for finished in self._taken:
+            self.timeline.reacting.add(now - finished)
+        self._taken.clear()
 
     def untrack(self, futures: list[Future]) -> None:
         for future in futures:
@@ -459,9 +468,8 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
         self.timeline.gate_state(now, closed=self.gate.capacity() <= 0)
         self.orchestrator.on_publish(published.version)
         self.store.append_consumed(groups, decision.update, now)
-        self.timeline.updates.append(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time,
-                                                  now, sum(g.num_tokens for g in groups), published.seconds,
-                                                  result.busy_s))
+        self.timeline.add(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time, now,
+                                       sum(g.num_tokens for g in groups), published.seconds, result.busy_s))
         metrics = update_metrics(decision.update, groups, result, self.timeline, max(self.live_recent, default=1),
                                  self.counters)
         self.store.append_update(decision.update, result.start_time, result.end_time, published.version,
@@ -533,3 +541,4 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
             for future in self.wait_any(POLL_S):
                 self.on_done(future)
         self.timeline = Timeline(self.clock.now())
+        self._taken.clear()

@@ -11,7 +11,11 @@
   part, idle while the gate admitted new groups (what switching and orchestration leave unused);
 * trainer bubble: share of trainer wall time with no update running;
 * non-overlapped rollout share: share of wall time the trainer spends waiting for rollout data (from the end of
-  one publish to the moment the gate hands over the next batch).
+  one publish to the moment the gate hands over the next batch);
+* driver reaction lag: from a future the driver waits on finishing to the end of the driver's next decisions (new
+  groups, moves, updates) after taking it in, over the steady window. Under emulated engines it is this machine's
+  driver seen in emulated seconds: a lag that is a sizeable share of the step means the CPU, not the emulated
+  hardware, set part of the pace.
 """
 from __future__ import annotations
 
@@ -20,6 +24,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 WARMUP_UPDATES = 2
+
+
+@dataclass
+class Reactions:
+    """The driver's reaction lags over a span: how many, their sum and the longest (not each one: a long run takes
+    in millions of futures)."""
+
+    count: int = 0
+    total: float = 0.0
+    longest: float = 0.0
+
+    def add(self, lag: float) -> None:
+        self.count += 1
+        self.total += lag
+        self.longest = max(self.longest, lag)
 
 
 @dataclass
@@ -32,6 +51,7 @@ class UpdateTiming:
     tokens: int  # prompt + response tokens of the consumed trajectories
     publish_seconds: float = 0.0
     busy: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
+    reactions: Reactions = field(default_factory=Reactions)  # the driver's, since the publish before this one
 
     def waiting_inside(self) -> float:
         """Seconds a streamed update waited for its stragglers between its parts."""
@@ -44,6 +64,7 @@ class Timeline:
     updates: list[UpdateTiming] = field(default_factory=list)
     gate_closed: list[tuple[float, float]] = field(default_factory=list)  # the gate admitted no new group
     closed_since: float | None = None  # the gate is closed now, since then
+    reacting: Reactions = field(default_factory=Reactions)  # since the last publish
 
     def gate_state(self, now: float, closed: bool) -> None:
         """The version gate's dispatch capacity changed: `closed` when it admits no new group."""
@@ -52,6 +73,11 @@ class Timeline:
         elif not closed and self.closed_since is not None:
             self.gate_closed.append((self.closed_since, now))
             self.closed_since = None
+
+    def add(self, timing: UpdateTiming) -> None:
+        """An update published: it takes the driver's reactions since the publish before."""
+        timing.reactions, self.reacting = self.reacting, Reactions()
+        self.updates.append(timing)
 
     def closed_spans(self, end: float) -> list[tuple[float, float]]:
         """The spans the gate admitted no new group, one still open ending at `end`."""
@@ -249,6 +275,18 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
+def reaction_lag(tl: Timeline) -> dict[str, float]:
+    """The driver's reaction lag over the steady window: mean and max, and the mean's share of the step."""
+    steady = [u.reactions for u in tl.steady()]
+    count = sum(r.count for r in steady)
+    if not count:
+        return dict.fromkeys(("driver_reaction_lag_mean_s", "driver_reaction_lag_max_s",
+                              "driver_reaction_lag_step_share"), float("nan"))
+    mean = sum(r.total for r in steady) / count
+    return {"driver_reaction_lag_mean_s": mean, "driver_reaction_lag_max_s": max(r.longest for r in steady),
+            "driver_reaction_lag_step_share": mean / mean_step_time(tl)}
+
+
 def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
             last_dispatch: float = float("inf")) -> dict[str, float]:
     start, end = tl.steady_window()
@@ -268,4 +306,5 @@ def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
         "open_window_s": max(0.0, open_end - start),
         "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
         "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
+        **reaction_lag(tl),
     }

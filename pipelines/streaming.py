@@ -37,6 +37,7 @@ def stream(d: Driver, on_turn=None) -> None:
         d.send_orders()  # one hand-over order per source
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
+        d.acted()  # the driver's reaction lag: from a future's end to these decisions
         for future in d.wait_any(TICK_S):  # whichever finishes first
             d.on_done(future)
         d.submit_scoring()  # the groups that finished rolling out -> reward [-> reward model] -> advantage

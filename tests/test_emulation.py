@@ -220,6 +220,9 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
     # the last dispatch on the run's clock, inside the steady window (else the open bubble is nan)
     assert 0.0 <= summary.metrics["open_rollout_bubble"] <= 1.0
     assert 0.0 <= summary.metrics["open_rollout_bubble_held"] <= summary.metrics["open_rollout_bubble"] + 1e-9
+    # the driver's reaction to finished futures, seen on the emulated clock (nan if no turn recorded one)
+    m = summary.metrics
+    assert 0.0 < m["driver_reaction_lag_mean_s"] <= m["driver_reaction_lag_max_s"] < m["wall_s"]
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))
     assert store.meta["clock"].startswith("emulated seconds")
     updates = store.read_table("updates")

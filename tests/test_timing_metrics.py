@@ -1,6 +1,8 @@
 """The timing metrics of the design, as pure functions over recorded timestamps."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pipelines.metrics import Timeline, UpdateTiming, summary
@@ -36,3 +38,18 @@ def test_the_open_bubble_splits_into_idle_while_the_gate_held_dispatch_and_idle_
     assert m["gate_closed_share"] == pytest.approx((4 + 3) / 16)
     tl.gate_state(38.0, closed=False)
     assert tl.closed_spans(40.0) == [(18.0, 24.0), (33.0, 38.0)]
+
+
+def test_the_driver_reaction_lag_counts_what_the_driver_acted_on_in_the_steady_window():
+    tl = Timeline(0.0)
+    lags = {0: [4.0], 1: [9.0], 2: [1.0, 3.0], 3: [2.0]}  # acted on before each publish: 0 and 1 are the warm-up
+    for i, published in enumerate([10.0, 20.0, 30.0, 40.0]):
+        for lag in lags[i]:
+            tl.reacting.add(lag)
+        tl.add(UpdateTiming(i, published - 1.0, published - 1.0, published - 0.5, published, 100))
+    tl.reacting.add(50.0)  # after the last publish: outside the window
+    m = summary(tl, {"a": [(0.0, 40.0)]})
+    assert m["driver_reaction_lag_mean_s"] == pytest.approx((1 + 3 + 2) / 3)
+    assert m["driver_reaction_lag_max_s"] == 3.0
+    assert m["driver_reaction_lag_step_share"] == pytest.approx(2.0 / 10.0)
+    assert math.isnan(summary(timeline([10.0, 20.0, 30.0]), {"a": [(0.0, 30.0)]})["driver_reaction_lag_mean_s"])
