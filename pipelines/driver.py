@@ -125,7 +125,7 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
     _reward_warnings: RateLimit = field(default_factory=lambda: RateLimit(REWARD_WARNING_EVERY_S))
     _paused: PausedWorkers = field(default_factory=PausedWorkers)
     _finished: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (clock time, future), as they finish
-    _taken: list[float] = field(default_factory=list)  # when the futures taken in since the last decisions finished
+    _taken: list[tuple[float, str]] = field(default_factory=list)  # (finished, kind) since the last decisions
     _server_reports: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # servers' chunk reports
     _listening: bool = False  # subscribed to the servers' chunk reports
     outbox: dict[str, list[GroupOrder]] = field(default_factory=dict)  # source -> hand-over orders not sent yet
@@ -260,14 +260,14 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
             return []
         while not self._finished.empty():
             done.append(self._finished.get())
-        self._taken.extend(t for t, f in done if f in self.tracked)
+        self._taken.extend((t, type(self.tracked[f]).__name__) for t, f in done if f in self.tracked)
         return [f for _, f in done if f in self.tracked]
 
     def acted(self) -> None:
         """The turn's decisions are made: record the reaction lag of the futures taken in before them."""
         now = self.clock.now()
-        for finished in self._taken:
-            self.timeline.reacting.add(now - finished)
+        for finished, kind in self._taken:
+            self.timeline.react(kind, now - finished)
         self._taken.clear()
 
     def untrack(self, futures: list[Future]) -> None:

@@ -13,9 +13,10 @@
 * non-overlapped rollout share: share of wall time the trainer spends waiting for rollout data (from the end of
   one publish to the moment the gate hands over the next batch);
 * driver reaction lag: from a future the driver waits on finishing to the end of the driver's next decisions (new
-  groups, moves, updates) after taking it in, over the steady window. Under emulated engines it is this machine's
-  driver seen in emulated seconds: a lag that is a sizeable share of the step means the CPU, not the emulated
-  hardware, set part of the pace.
+  groups, moves, updates) after taking it in, over the steady window; its trainer share is the part of the window the
+  driver spent reacting to the trainer's updates and streamed parts, which the trainer's next work waits on. Under
+  emulated engines it is this machine's driver seen in emulated seconds: a trainer share of a few percent means the
+  CPU, not the emulated hardware, set part of the pace.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class UpdateTiming:
     tokens: int  # prompt + response tokens of the consumed trajectories
     publish_seconds: float = 0.0
     busy: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
-    reactions: Reactions = field(default_factory=Reactions)  # the driver's, since the publish before this one
+    reactions: dict[str, Reactions] = field(default_factory=dict)  # the driver's by task kind, since the last publish
 
     def waiting_inside(self) -> float:
         """Seconds a streamed update waited for its stragglers between its parts."""
@@ -64,7 +65,7 @@ class Timeline:
     updates: list[UpdateTiming] = field(default_factory=list)
     gate_closed: list[tuple[float, float]] = field(default_factory=list)  # the gate admitted no new group
     closed_since: float | None = None  # the gate is closed now, since then
-    reacting: Reactions = field(default_factory=Reactions)  # since the last publish
+    reacting: dict[str, Reactions] = field(default_factory=dict)  # by task kind, since the last publish
 
     def gate_state(self, now: float, closed: bool) -> None:
         """The version gate's dispatch capacity changed: `closed` when it admits no new group."""
@@ -76,8 +77,12 @@ class Timeline:
 
     def add(self, timing: UpdateTiming) -> None:
         """An update published: it takes the driver's reactions since the publish before."""
-        timing.reactions, self.reacting = self.reacting, Reactions()
+        timing.reactions, self.reacting = self.reacting, {}
         self.updates.append(timing)
+
+    def react(self, kind: str, lag: float) -> None:
+        """The driver acted `lag` seconds after a future of `kind` finished."""
+        self.reacting.setdefault(kind, Reactions()).add(lag)
 
     def closed_spans(self, end: float) -> list[tuple[float, float]]:
         """The spans the gate admitted no new group, one still open ending at `end`."""
@@ -275,16 +280,22 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
+TRAINER_KINDS = ("UpdateTask", "UpdatePartTask")  # the trainer may wait on the driver's reaction to these
+
+
 def reaction_lag(tl: Timeline) -> dict[str, float]:
-    """The driver's reaction lag over the steady window: mean and max, and the mean's share of the step."""
-    steady = [u.reactions for u in tl.steady()]
-    count = sum(r.count for r in steady)
-    if not count:
+    """The driver's reaction lag over the steady window: mean and max over every future, and the share of the window
+    spent reacting to the trainer's (an update or a streamed part ended: the next one waits on the driver)."""
+    steady = [r for u in tl.steady() for r in u.reactions.items()]
+    count = sum(r.count for _, r in steady)
+    start, end = tl.steady_window()
+    if not count or end <= start:
         return dict.fromkeys(("driver_reaction_lag_mean_s", "driver_reaction_lag_max_s",
-                              "driver_reaction_lag_step_share"), float("nan"))
-    mean = sum(r.total for r in steady) / count
-    return {"driver_reaction_lag_mean_s": mean, "driver_reaction_lag_max_s": max(r.longest for r in steady),
-            "driver_reaction_lag_step_share": mean / mean_step_time(tl)}
+                              "driver_reaction_lag_step_share", "driver_trainer_lag_share"), float("nan"))
+    mean = sum(r.total for _, r in steady) / count
+    return {"driver_reaction_lag_mean_s": mean, "driver_reaction_lag_max_s": max(r.longest for _, r in steady),
+            "driver_reaction_lag_step_share": mean / mean_step_time(tl),
+            "driver_trainer_lag_share": sum(r.total for kind, r in steady if kind in TRAINER_KINDS) / (end - start)}
 
 
 def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],

@@ -223,6 +223,7 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
     # the driver's reaction to finished futures, seen on the emulated clock (nan if no turn recorded one)
     m = summary.metrics
     assert 0.0 < m["driver_reaction_lag_mean_s"] <= m["driver_reaction_lag_max_s"] < m["wall_s"]
+    assert 0.0 < m["driver_trainer_lag_share"] < 1.0
     store = TrajectoryStore.open(cfg.storage.resolved("trajectory_store"))
     assert store.meta["clock"].startswith("emulated seconds")
     updates = store.read_table("updates")

@@ -45,11 +45,13 @@ def test_the_driver_reaction_lag_counts_what_the_driver_acted_on_in_the_steady_w
     lags = {0: [4.0], 1: [9.0], 2: [1.0, 3.0], 3: [2.0]}  # acted on before each publish: 0 and 1 are the warm-up
     for i, published in enumerate([10.0, 20.0, 30.0, 40.0]):
         for lag in lags[i]:
-            tl.reacting.add(lag)
+            tl.react("RolloutTask", lag)
+        tl.react("UpdateTask", 0.5)
         tl.add(UpdateTiming(i, published - 1.0, published - 1.0, published - 0.5, published, 100))
-    tl.reacting.add(50.0)  # after the last publish: outside the window
+    tl.react("RolloutTask", 50.0)  # after the last publish: outside the window
     m = summary(tl, {"a": [(0.0, 40.0)]})
-    assert m["driver_reaction_lag_mean_s"] == pytest.approx((1 + 3 + 2) / 3)
+    assert m["driver_reaction_lag_mean_s"] == pytest.approx((1 + 3 + 2 + 0.5 + 0.5) / 5)
     assert m["driver_reaction_lag_max_s"] == 3.0
-    assert m["driver_reaction_lag_step_share"] == pytest.approx(2.0 / 10.0)
+    assert m["driver_reaction_lag_step_share"] == pytest.approx(1.4 / 10.0)
+    assert m["driver_trainer_lag_share"] == pytest.approx(1.0 / 20.0)  # two updates' reactions over the window
     assert math.isnan(summary(timeline([10.0, 20.0, 30.0]), {"a": [(0.0, 30.0)]})["driver_reaction_lag_mean_s"])
