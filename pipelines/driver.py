@@ -47,7 +47,7 @@ from pipelines.events import (EvaluationTask, Event, GroupOrder, GroupRolledOut,
                               ResumeTask, RolloutTask, ScoringSubmitted, ScoringTask, Task, Turn, UpdateSubmitted,
                               UpdatePartTask, UpdateTask)
 from pipelines.gate import BatchDecision, VersionGate
-from pipelines.in_flight import InFlight, QueuedUpdate
+from pipelines.in_flight import InFlight, Publication, QueuedUpdate
 from pipelines.metrics import Timeline, UpdateTiming, update_metrics
 from pipelines.migration import RequestMigration
 from pipelines.orchestrator import Orchestrator, Start
@@ -110,6 +110,7 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
     unscored: list[int] = field(default_factory=list)  # rolled out this turn, scoring not submitted yet
     scoring_batches: int = 0
     updates: deque[QueuedUpdate] = field(default_factory=deque)  # handed to the trainer, not yet published
+    unrecorded: deque[Publication] = field(default_factory=deque)  # published, not yet in the store (`on_published`)
     accuracy: dict[int, float] = field(default_factory=dict)
     pinned_versions: set[int] = field(default_factory=set)  # kept in the weight store for resume
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
@@ -457,32 +458,47 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
         return batch
 
     def on_published(self, task: UpdateTask, result: UpdateResult) -> None:
-        """Update u ended and published version u + 1: the driver takes the batch in (store, gate, orchestrator),
-        then evaluates and checkpoints the new version when they are due."""
+        """Update u ended and published version u + 1. The gate and the orchestrator take it in at once (the next
+        batch and the new version's prompts wait on them); the store, metrics, evaluation and checkpoint follow the
+        driver's next decisions (`record_published`), or come at once when a checkpoint is due (it must find the
+        trainer between two updates, before the next batch is handed over)."""
         queued = self.updates.popleft()
         if queued.decision.update != task.update:
             raise RunError(f"update {task.update} finished before update {queued.decision.update}")
-        decision, published, now = queued.decision, result.published, self.clock.now()
-        groups = [self.complete.pop(g) for g in decision.group_ids]
-        self.gate.on_update_done(decision.update)
+        now = self.clock.now()
+        groups = [self.complete.pop(g) for g in queued.decision.group_ids]
+        self.gate.on_update_done(task.update)
         self.timeline.gate_state(now, closed=self.gate.capacity() <= 0)
-        self.orchestrator.on_publish(published.version)
-        self.store.append_consumed(groups, decision.update, now)
-        self.timeline.add(UpdateTiming(decision.update, queued.ready, result.start_time, result.end_time, now,
+        self.orchestrator.on_publish(result.published.version)
+        self.unrecorded.append(Publication(queued.decision, queued.ready, result, groups, now))
+        if self.checkpoint_due(result.published.version):
+            self.record_published()
+
+    def record_published(self) -> None:
+        """The store rows, metrics and events of the updates published since the driver's last decisions, then
+        their evaluations and checkpoints: after the next batch is handed over, not on the trainer's path."""
+        while self.unrecorded:
+            self._record(self.unrecorded.popleft())
+
+    def _record(self, publication: Publication) -> None:
+        (decision, ready, result, groups, now), published = publication, publication.result.published
+        update = decision.update
+        self.store.append_consumed(groups, update, now)
+        self.timeline.add(UpdateTiming(update, ready, result.start_time, result.end_time, now,
                                        sum(g.num_tokens for g in groups), published.seconds, result.busy_s))
-        metrics = update_metrics(decision.update, groups, result, self.timeline, max(self.live_recent, default=1),
+        metrics = update_metrics(update, groups, result, self.timeline, max(self.live_recent, default=1),
                                  self.counters)
-        self.store.append_update(decision.update, result.start_time, result.end_time, published.version,
+        self.store.append_update(update, result.start_time, result.end_time, published.version,
                                  published.seconds, metrics)
         self.retain_weights()
         self.last_metrics = metrics
         self.counters["restarts_in_a_row"] = 0
-        self.emit(Published(decision.update, metrics))
+        self.emit(Published(update, metrics))
         self.check_rewards(metrics, groups)
         if self.evaluation_due(published.version):
             self.submit_evaluation(published.version)
         if self.checkpoint_due(published.version):
-            self.checkpoint(decision.update)
+            self.checkpoint(update)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint(self, update: int) -> None:

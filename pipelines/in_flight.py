@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from distributed import Future
 
+from dora_tasks.core.records import Group, UpdateResult
 from pipelines.gate import BatchDecision
 from pipelines.migration import Moves
 
@@ -47,3 +49,12 @@ class QueuedUpdate:
 
     def futures(self) -> list[Future]:
         return [f for f in (self.batch, self.checked, self.updated, *self.parts) if f is not None]
+
+
+class Publication(NamedTuple):
+    """An update the driver took in (`Driver.on_published`) and has yet to record."""
+    decision: BatchDecision
+    ready: float  # when the gate handed the batch over
+    result: UpdateResult
+    groups: list[Group]
+    published: float  # when the driver took it in

@@ -8,8 +8,9 @@ The graph is never precomputed. Each turn of the loop (1) lets the orchestrator,
 servers reported ended (their rows are free), start new groups on the newest version, move idle instances and
 (`rollout.switching=migrate`) move running responses between instances of their version, (2) asks the version gate
 whether update `u` may start, submitting gate -> update (which publishes u + 1) if so (with `dora.update_lookahead`,
-the batch of `u + 1` can be handed over while `u` still trains), (3) waits for whichever future finishes first, and
-(4) scores the groups whose rollout ended, with one reward and one advantage task for those of one instance. Groups
+the batch of `u + 1` can be handed over while `u` still trains), then records what was published (store rows,
+metrics, evaluation, checkpoint: after the trainer has its next batch), (3) waits for whichever future finishes first,
+and (4) scores the groups whose rollout ended, with one reward and one advantage task for those of one instance. Groups
 of several versions are in flight at once; finished groups stream into the next batch; the gate keeps every batch
 within K versions.
 """
@@ -38,12 +39,14 @@ def stream(d: Driver, on_turn=None) -> None:
         while d.may_hand_over() and (decision := d.gate.decide()) is not None:
             d.submit_update(decision)  # gate(u) -> update(u) + publish(u+1)
         d.acted()  # the driver's reaction lag: from a future's end to these decisions
+        d.record_published()  # store rows, metrics, evaluation, checkpoint: after the trainer has its next batch
         for future in d.wait_any(TICK_S):  # whichever finishes first
             d.on_done(future)
         d.submit_scoring()  # the groups that finished rolling out -> reward [-> reward model] -> advantage
         d.end_turn()
         if on_turn is not None:
             on_turn(d)
+    d.record_published()
 
 
 def run_pipeline(cfg, inputs=None) -> "RunSummary":  # noqa: F821
