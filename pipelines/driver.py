@@ -200,8 +200,7 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
 
     @_done.register
     def _(self, task: UpdatePartTask, future: Future) -> None:
-        if self._trainer_result(future, f"update {task.update} failed in part {task.part}") is not None:
-            self.stream_in_scored()
+        self._trainer_result(future, f"update {task.update} failed in part {task.part}")  # next: `stream_in_scored`
 
     @_done.register
     def _(self, task: ScoringTask, future: Future) -> None:
@@ -404,8 +403,6 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
             self.complete[group.group_id] = group
             self.store.append_migrations(group.migrations)
         self.emit(GroupsScored(task.group_ids, self.clock.now()))
-        if self.updates:
-            self.stream_in_scored()
 
     # ---- update side ---------------------------------------------------------------------------------------------
     def checkpoint_due(self, version: int) -> bool:

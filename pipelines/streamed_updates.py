@@ -7,7 +7,8 @@ in order on the trainer's one TRAINER slot:
     batch(complete groups) ─► gate ─► update_part ─► ... ─► update_part(stragglers) ─► finish_update (publish u+1)
 
 Stragglers go to the trainer together once it has finished the part before (a part costs at least its longest
-sequence, so one part per straggler would queue those costs); `finish_update` follows the part that holds the last. Until then no later batch is handed over (its first part would only wait for this update's version).
+sequence, so one part per straggler would queue those costs); `finish_update` follows the part that holds the last.
+Until then no later batch is handed over (its first part would only wait for this update's version).
 A lost trainer sends the whole decision again (`recover_trainer` -> `submit_update`): its parts start over from the
 groups complete by then. Every train engine computes parts (`TrainEngine.accumulate`, `finish_update`).
 """
@@ -34,7 +35,7 @@ class StreamedUpdates:
 
     def stream_in_scored(self) -> None:
         """Send the stragglers scored so far to the updates that wait for them, once their trainer finished the part
-        before (called as groups are scored and as parts end)."""
+        before (called once a turn, after every future it took in: stragglers scored in one turn go as one part)."""
         for queued in list(self.updates):
             arrived = sorted(g for g in queued.waiting if g in self.complete)
             computing = queued.parts and not queued.parts[-1].done()

@@ -42,6 +42,7 @@ def stream(d: Driver, on_turn=None) -> None:
         d.record_published()  # store rows, metrics, evaluation, checkpoint: after the trainer has its next batch
         for future in d.wait_any(TICK_S):  # whichever finishes first
             d.on_done(future)
+        d.stream_in_scored()  # streamed updates: the stragglers scored this turn go together, once the trainer is free
         d.submit_scoring()  # the groups that finished rolling out -> reward [-> reward model] -> advantage
         d.end_turn()
         if on_turn is not None:

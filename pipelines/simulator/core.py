@@ -266,12 +266,11 @@ class Simulation:
         self.mode.on_train_start(self)
 
     def _stream_in(self, group_id: int) -> None:
+        """A straggler completed: it goes to the trainer once it is free, with every other completed by then (those
+        of one instant together, as the Dask driver sends those of one turn)."""
         self.streaming.discard(group_id)
         self.streamed_in.append(group_id)
-        if self.trainer_free <= self.now:
-            self._feed()
-        else:
-            self.train_end = self.trainer_free  # wake up to feed them in
+        self.train_end = max(self.now, self.trainer_free)  # wake up to feed them in
 
     def _feed(self) -> None:
         groups, self.streamed_in = self.streamed_in, []
