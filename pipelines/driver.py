@@ -263,12 +263,16 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
         self._taken.extend((t, type(self.tracked[f]).__name__) for t, f in done if f in self.tracked)
         return [f for _, f in done if f in self.tracked]
 
-    def acted(self) -> None:
-        """The turn's decisions are made: record the reaction lag of the futures taken in before them."""
-        now = self.clock.now()
+    def acted(self, kinds: tuple[str, ...] | None = None) -> None:
+        """The decisions on the futures taken in so far are made (only those of these task kinds, when given): record
+        their reaction lag."""
+        now, waiting = self.clock.now(), []
         for finished, kind in self._taken:
-            self.timeline.react(kind, now - finished)
-        self._taken.clear()
+            if kinds is None or kind in kinds:
+                self.timeline.react(kind, now - finished)
+            else:
+                waiting.append((finished, kind))
+        self._taken = waiting
 
     def untrack(self, futures: list[Future]) -> None:
         for future in futures:

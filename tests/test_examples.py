@@ -116,3 +116,27 @@ def test_a_worker_logs_a_fetch_its_client_abandoned_in_one_line_and_other_failur
     client_left, worker_failed = stream.getvalue().split("failed during get data")[1:]
     assert "Traceback" not in client_left and "-> None" in client_left
     assert "Traceback" in worker_failed and "OSError: stream closed" in worker_failed
+
+
+def test_a_worker_logs_a_heartbeat_to_a_closed_scheduler_in_one_line():
+    import io
+    import logging
+
+    from dora_tasks.worker_preload import HEARTBEAT_LOST, ClientLeftMidFetch
+
+    stream = io.StringIO()
+    logger = logging.getLogger("test.worker_preload.heartbeat")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.addFilter(ClientLeftMidFetch())
+    try:
+        try:
+            raise OSError("stream closed")
+        except OSError:
+            logger.exception(HEARTBEAT_LOST)
+            logger.exception("Unexpected exception during heartbeat. Closing worker.")
+    finally:
+        logger.removeHandler(handler)
+    lost, unexpected = stream.getvalue().split("during heartbeat")[1:]
+    assert "Traceback" not in lost
+    assert "Traceback" in unexpected and "OSError: stream closed" in unexpected
