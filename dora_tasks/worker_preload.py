@@ -17,7 +17,7 @@ CLIENT_LEFT_MID_FETCH = "failed during get data with %s -> %s"  # distributed.wo
 HEARTBEAT_LOST = "Failed to communicate with scheduler during heartbeat."  # distributed.worker's, on an OSError only
 
 
-class ClientLeftMidFetch(logging.Filter):
+class PeerClosedConnection(logging.Filter):
     """Keeps the line of a fetch its client abandoned, or of a heartbeat whose connection to the scheduler closed,
     and drops the traceback (a client's exit or a closing scheduler is not a worker fault)."""
 
@@ -30,7 +30,7 @@ class ClientLeftMidFetch(logging.Filter):
 
 def dask_setup(worker) -> None:
     logger = logging.getLogger("distributed.worker")
-    if not any(isinstance(f, ClientLeftMidFetch) for f in logger.filters):
-        logger.addFilter(ClientLeftMidFetch())
+    if not any(isinstance(f, PeerClosedConnection) for f in logger.filters):
+        logger.addFilter(PeerClosedConnection())
     if threading.current_thread() is threading.main_thread():  # only the main thread may set a signal handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)

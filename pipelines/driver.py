@@ -482,8 +482,8 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
             self._record(self.unrecorded.popleft())
 
     def _record(self, publication: Publication) -> None:
-        (decision, ready, result, groups, now), published = publication, publication.result.published
-        update = decision.update
+        decision, ready, result, groups, now = publication
+        update, published = decision.update, result.published
         self.store.append_consumed(groups, update, now)
         self.timeline.add(UpdateTiming(update, ready, result.start_time, result.end_time, now,
                                        sum(g.num_tokens for g in groups), published.seconds, result.busy_s))

@@ -57,4 +57,4 @@ class Publication(NamedTuple):
     ready: float  # when the gate handed the batch over
     result: UpdateResult
     groups: list[Group]
-    published: float  # when the driver took it in
+    taken_in: float  # when the driver took it in

@@ -17,6 +17,7 @@ within K versions.
 from __future__ import annotations
 
 from pipelines.driver import Driver
+from pipelines.events import UpdatePartTask
 from pipelines.orchestrator import Migrate, Start
 from pipelines.run import open_run
 
@@ -43,7 +44,7 @@ def stream(d: Driver, on_turn=None) -> None:
         for future in d.wait_any(TICK_S):  # whichever finishes first
             d.on_done(future)
         d.stream_in_scored()  # streamed updates: the stragglers scored this turn go together, once the trainer is free
-        d.acted(("UpdatePartTask",))  # a part's end is acted on: the next part went, or the trainer waits for data
+        d.acted((UpdatePartTask.__name__,))  # a part is acted on: the next one went, or the trainer waits for data
         d.submit_scoring()  # the groups that finished rolling out -> reward [-> reward model] -> advantage
         d.end_turn()
         if on_turn is not None:

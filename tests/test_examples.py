@@ -94,49 +94,42 @@ def test_ctrl_c_stops_a_run_in_one_line_and_the_folder_resumes(tmp_path):
         == list(range(total))
 
 
-def test_a_worker_logs_a_fetch_its_client_abandoned_in_one_line_and_other_failures_whole():
+def worker_log(*messages: tuple) -> str:
+    """What the embedded workers' log filter lets through of these `logger.exception` calls, each under an OSError."""
     import io
     import logging
 
-    from dora_tasks.worker_preload import CLIENT_LEFT_MID_FETCH, ClientLeftMidFetch
+    from dora_tasks.worker_preload import PeerClosedConnection
 
     stream = io.StringIO()
     logger = logging.getLogger("test.worker_preload")
     handler = logging.StreamHandler(stream)
     logger.addHandler(handler)
-    logger.addFilter(ClientLeftMidFetch())
+    logger.addFilter(PeerClosedConnection())
     try:
-        for who in (None, "tcp://127.0.0.1:2"):
+        for message in messages:
             try:
                 raise OSError("stream closed")
             except OSError:
-                logger.exception(CLIENT_LEFT_MID_FETCH, "tcp://127.0.0.1:1", who)
+                logger.exception(*message)
     finally:
         logger.removeHandler(handler)
-    client_left, worker_failed = stream.getvalue().split("failed during get data")[1:]
+    return stream.getvalue()
+
+
+def test_a_worker_logs_a_fetch_its_client_abandoned_in_one_line_and_other_failures_whole():
+    from dora_tasks.worker_preload import CLIENT_LEFT_MID_FETCH
+
+    text = worker_log(*((CLIENT_LEFT_MID_FETCH, "tcp://127.0.0.1:1", who) for who in (None, "tcp://127.0.0.1:2")))
+    client_left, worker_failed = text.split("failed during get data")[1:]
     assert "Traceback" not in client_left and "-> None" in client_left
     assert "Traceback" in worker_failed and "OSError: stream closed" in worker_failed
 
 
 def test_a_worker_logs_a_heartbeat_to_a_closed_scheduler_in_one_line():
-    import io
-    import logging
+    from dora_tasks.worker_preload import HEARTBEAT_LOST
 
-    from dora_tasks.worker_preload import HEARTBEAT_LOST, ClientLeftMidFetch
-
-    stream = io.StringIO()
-    logger = logging.getLogger("test.worker_preload.heartbeat")
-    handler = logging.StreamHandler(stream)
-    logger.addHandler(handler)
-    logger.addFilter(ClientLeftMidFetch())
-    try:
-        try:
-            raise OSError("stream closed")
-        except OSError:
-            logger.exception(HEARTBEAT_LOST)
-            logger.exception("Unexpected exception during heartbeat. Closing worker.")
-    finally:
-        logger.removeHandler(handler)
-    lost, unexpected = stream.getvalue().split("during heartbeat")[1:]
+    text = worker_log((HEARTBEAT_LOST,), ("Unexpected exception during heartbeat. Closing worker.",))
+    lost, unexpected = text.split("during heartbeat")[1:]
     assert "Traceback" not in lost
     assert "Traceback" in unexpected and "OSError: stream closed" in unexpected
