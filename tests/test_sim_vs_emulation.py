@@ -6,7 +6,10 @@ Tolerances, from the measurements on the results page (benchmarks/results/sim_vs
 throughput and step time agree within 5% (the simulator faster), the trainer bubble and the non-overlapped share
 within 0.01, the rollout bubble within 0.02 (4% of it). The test runs 14 updates (a shorter steady window, so more
 noise) and asserts the issue's 10% on throughput and step time, and 0.05 absolute on the bubbles (~10% of them).
-Marked slow: about 50 s of a 2-core machine.
+It runs at speed-up 5, not the benchmark's 10: every wall second the driver, the scheduler and the engines' Python
+spend between two decode calls is an idle instance in emulated time, so at 10 this 2-core machine's CPU set part of
+the Dask rollout bubble (the CPU-PACED case of issue 20; the gap to the simulator grows with the speed-up).
+Marked slow: about 75 s of a 2-core machine.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def benchmark():
 @pytest.mark.slow
 def test_simulator_agrees_with_the_dask_emulation_on_8_instances(tmp_path):
     b = benchmark()
-    cfg = b.make_config(b.parse(["--updates", "14"]), str(tmp_path))
+    cfg = b.make_config(b.parse(["--updates", "14", "--speedup", "5"]), str(tmp_path))
     sim, _ = b.run_sim(cfg)
     dask, info = b.run_dask(cfg)
     assert info["audit_ok"]
