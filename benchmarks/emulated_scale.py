@@ -210,6 +210,8 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         "reaction_lag_s": summary.metrics["driver_reaction_lag_mean_s"],
         "reaction_lag_share": summary.metrics["driver_reaction_lag_step_share"],
         "trainer_lag_share": summary.metrics["driver_trainer_lag_share"],
+        "trainer_parts": summary.metrics["trainer_parts_per_update"],
+        "first_part_share": summary.metrics["first_part_group_share"],
     })
     row.update(consume_latency(cfg))
     row["task_seconds"] = task_seconds(tasks.data, cfg.emulation.speedup, cfg.dora.num_updates)

@@ -27,7 +27,9 @@ Columns (emulated seconds throughout; wall figures are this machine's):
 * machine busy, driver lag on the trainer and "paced by": as `emulated_scale` decides CPU-PACED (driver + scheduler
   above 80% of a core, the machine above 90% busy, or the driver's reaction to the trainer's updates and parts above
   2% of the steady window): such a row measured this machine, not the emulated hardware;
-* sim: the simulator's tokens/s and rollout bubble, and their difference from the Dask row (relative, absolute).
+* sim: the simulator's tokens/s and rollout bubble, and their difference from the Dask row (relative, absolute);
+* parts and first part's groups (streamed updates): the spans the trainer computed a streamed update in, and the
+  share of its groups its first part held, on Dask and in the simulator.
 """
 from __future__ import annotations
 
@@ -108,7 +110,8 @@ def simulated(cfg) -> dict:
     return {"sim_tokens_per_s": figures.tokens_per_s, "sim_rollout_bubble": figures.rollout_bubble,
             "sim_open_bubble": result.open_rollout_bubble, "sim_open_bubble_held": result.open_rollout_bubble_held,
             "sim_non_overlapped": result.non_overlapped_share,
-            "sim_migrations": result.migrations, "sim_c_ok": result.c2_ok and result.c3_ok
+            "sim_migrations": result.migrations, "sim_trainer_parts": result.trainer_parts_per_update,
+            "sim_first_part_share": result.first_part_group_share, "sim_c_ok": result.c2_ok and result.c3_ok
             and result.c1_mixed_trajectories == 0, "sim_wall_s": time.perf_counter() - start}
 
 
@@ -135,6 +138,7 @@ COLUMNS = [
     ("sim_tokens_per_s", "sim tokens/s (diff)", "{}"), ("sim_rollout_bubble", "sim bubble (diff)", "{}"),
     ("sim_open_bubble", "sim open bubble (diff)", "{}"), ("sim_open_bubble_held", "sim gate held / free", "{}"),
     ("sim_non_overlapped", "sim non-overlapped (diff)", "{}"),
+    ("trainer_parts", "parts / streamed update (sim)", "{}"), ("first_part_share", "first part's groups (sim)", "{}"),
     ("wall_s", "loop wall (s)", "{:.0f}"),
 ]
 
@@ -153,6 +157,9 @@ def cell(row: dict, key: str, fmt: str) -> str:
     if key in ("open_bubble_held", "sim_open_bubble_held") and value is not None:
         whole = row["open_bubble" if key == "open_bubble_held" else "sim_open_bubble"]
         return f"{value:.1%} / {whole - value:.1%}"
+    if key in ("trainer_parts", "first_part_share") and value is not None and value == value:
+        fmt = "{:.2f}" if key == "trainer_parts" else "{:.0%}"
+        return f"{fmt.format(value)} ({fmt.format(row.get('sim_' + key, float('nan')))})"
     if key in SIM_BUBBLES and value is not None and row.get(SIM_BUBBLES[key]) is not None:
         return f"{value:.1%} ({value - row[SIM_BUBBLES[key]]:+.1%})"
     return formatted(key, value, fmt)

@@ -16,4 +16,4 @@ def formatted(key: str, value, fmt: str) -> str:
         return "CPU-PACED (this machine)" if value else "emulated hardware"
     if key == "audit_ok":
         return "PASS" if value else "FAIL"
-    return "-" if value is None or value == "" else fmt.format(value)
+    return "-" if value is None or value == "" or value != value else fmt.format(value)  # value != value: NaN

@@ -273,9 +273,10 @@ def update_part(batch: TrainBatch, before: UpdatePart | None, stragglers: bool) 
     start = plugin.clock.now()
     trainable = [g for g in batch.groups if not g.filtered]
     engine.accumulate(TrainBatch(batch.update, trainable, batch.max_staleness), stragglers)
-    so_far = before or UpdatePart(batch.update, start)
-    return UpdatePart(batch.update, so_far.start_time, so_far.busy_s + plugin.clock.now() - start,
-                      so_far.groups + len(batch.groups), so_far.filtered + len(batch.groups) - len(trainable))
+    so_far, end = before or UpdatePart(batch.update, start), plugin.clock.now()
+    return UpdatePart(batch.update, so_far.start_time, so_far.busy_s + end - start, so_far.groups + len(batch.groups),
+                      so_far.filtered + len(batch.groups) - len(trainable),
+                      so_far.spans + ((start, end, len(batch.groups)),))
 
 
 def finish_update(parts: UpdatePart, weight_store: str) -> UpdateResult:
@@ -289,7 +290,7 @@ def finish_update(parts: UpdatePart, weight_store: str) -> UpdateResult:
     metrics = _stepped(engine, engine.finish_update, parts.groups, parts.filtered)
     end = plugin.clock.now()
     return UpdateResult(parts.update, metrics, parts.start_time, end, publish(engine, weight_store, plugin.clock),
-                        busy_s=parts.busy_s)
+                        busy_s=parts.busy_s, parts=parts.spans)
 
 
 def _stepped(engine, step: Callable[[], dict], groups: int, filtered: int) -> dict[str, float]:

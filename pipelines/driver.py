@@ -486,7 +486,8 @@ class Driver(TrainerRecovery, RequestMigration, StreamedUpdates, Evaluations, Re
         update, published = decision.update, result.published
         self.store.append_consumed(groups, update, now)
         self.timeline.add(UpdateTiming(update, ready, result.start_time, result.end_time, now,
-                                       sum(g.num_tokens for g in groups), published.seconds, result.busy_s))
+                                       sum(g.num_tokens for g in groups), published.seconds, result.busy_s,
+                                       result.parts))
         metrics = update_metrics(update, groups, result, self.timeline, max(self.live_recent, default=1),
                                  self.counters)
         self.store.append_update(update, result.start_time, result.end_time, published.version,

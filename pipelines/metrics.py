@@ -52,6 +52,7 @@ class UpdateTiming:
     tokens: int  # prompt + response tokens of the consumed trajectories
     publish_seconds: float = 0.0
     busy: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
+    parts: tuple[tuple[float, float, int], ...] = ()  # a streamed update: (start, end, groups) of each part
     reactions: dict[str, Reactions] = field(default_factory=dict)  # the driver's by task kind, since the last publish
 
     def waiting_inside(self) -> float:
@@ -298,6 +299,16 @@ def reaction_lag(tl: Timeline) -> dict[str, float]:
             "driver_trainer_lag_share": sum(r.total for kind, r in steady if kind in TRAINER_KINDS) / (end - start)}
 
 
+def trainer_parts(tl: Timeline) -> dict[str, float]:
+    """Streamed updates over the steady window: the parts an update took on the trainer, and the share of its groups
+    its first part held (the rest were stragglers)."""
+    streamed = [u.parts for u in tl.steady() if u.parts]
+    if not streamed:
+        return {"trainer_parts_per_update": float("nan"), "first_part_group_share": float("nan")}
+    return {"trainer_parts_per_update": float(np.mean([len(p) for p in streamed])),
+            "first_part_group_share": float(np.mean([p[0][2] / sum(g for *_, g in p) for p in streamed]))}
+
+
 def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
             last_dispatch: float = float("inf")) -> dict[str, float]:
     start, end = tl.steady_window()
@@ -318,4 +329,5 @@ def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],
         "non_overlapped_rollout_share": non_overlapped_rollout_share(tl),
         "wall_s": (tl.updates[-1].published - tl.t0) if tl.updates else 0.0,
         **reaction_lag(tl),
+        **trainer_parts(tl),
     }

@@ -306,6 +306,10 @@ def test_a_streamed_run_trains_while_its_stragglers_run_and_keeps_the_constraint
     waited = [u for u in timings if u.busy is not None]  # streamed (one sent again whole after the kill is not)
     assert len(waited) >= 2
     assert all(0 < u.busy <= u.end - u.start for u in waited) and any(u.waiting_inside() > 0 for u in waited)
+    for u in waited:  # its parts: in order within the update, their groups its batch's, their time its busy time
+        assert u.start == u.parts[0][0] and all(a <= b <= c for (_, a, _), (b, c, _) in zip(u.parts, u.parts[1:]))
+        assert sum(g for *_, g in u.parts) == 4 and sum(e - s for s, e, _ in u.parts) == pytest.approx(u.busy)
+    assert any(len(u.parts) > 1 for u in waited)
     assert 0.0 <= summary.metrics["non_overlapped_rollout_share"] <= 1.0
     rows = TrajectoryStore.open(cfg.storage.resolved("trajectory_store")).read_table("trajectories")
     trained = set(zip(rows["group_id"].tolist(), rows["sample_idx"].tolist()))

@@ -3,6 +3,7 @@ reference, and the simulated modes' guarantees (C1-C3) with the real VersionGate
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -265,6 +266,22 @@ def test_streamed_updates_keep_the_constraints_and_the_trainer_computes_while_st
             assert streamed_in == bool(set(groups) & set(u.pending))
     assert any(len(groups) > 1 for _, _, groups, streamed in spans if streamed)  # stragglers taken together
     assert streamed.non_overlapped_share < plain.non_overlapped_share
+    steady = [u for u in sim.record.updates[sim.record.warmup:sim.updates] if u.pending]
+    assert streamed.trainer_parts_per_update == pytest.approx(sum(len(u.parts) for u in steady) / len(steady))
+    assert all(sum(u.parts) == len(u.group_ids) for u in steady) and 0 < streamed.first_part_group_share < 1
+    assert math.isnan(plain.trainer_parts_per_update)
+
+
+def test_the_steady_window_counts_only_the_updates_published_in_it():
+    sim, r = run("dora", max_staleness=3)
+    rec = sim.record
+    assert len(rec.updates) > sim.updates  # the gate handed one more batch over as the last update published
+    steady = rec.updates[rec.warmup:sim.updates]
+    start, end = rec.window
+    assert all(start < u.published <= end for u in steady)
+    tokens = sum(s.prompt + s.target for u in steady for g in u.group_ids for s in sim.groups[g])
+    assert r.tokens_per_s == pytest.approx(tokens / (end - start))
+    assert r.step_s == pytest.approx((end - start) / len(steady) * sim.cfg.prompts_per_step / sim.tbs)
 
 
 def test_streamed_updates_need_a_trainer_of_their_own():

@@ -55,3 +55,15 @@ def test_the_driver_reaction_lag_counts_what_the_driver_acted_on_in_the_steady_w
     assert m["driver_reaction_lag_step_share"] == pytest.approx(1.4 / 10.0)
     assert m["driver_trainer_lag_share"] == pytest.approx(1.0 / 20.0)  # two updates' reactions over the window
     assert math.isnan(summary(timeline([10.0, 20.0, 30.0]), {"a": [(0.0, 30.0)]})["driver_reaction_lag_mean_s"])
+
+
+def test_streamed_parts_are_counted_over_the_steady_updates_that_had_parts():
+    parts = {0: ((1.0, 2.0, 1), (3.0, 4.0, 1), (5.0, 6.0, 1)), 1: (), 2: ((20.0, 22.0, 3), (24.0, 25.0, 1)),
+             3: ((30.0, 33.0, 4),)}  # 0 and 1 are the warm-up; 1 was not streamed
+    tl = Timeline(0.0)
+    for i, published in enumerate([10.0, 20.0, 30.0, 40.0]):
+        tl.add(UpdateTiming(i, published - 1.0, published - 1.0, published - 0.5, published, 100, parts=parts[i]))
+    m = summary(tl, {"a": [(0.0, 40.0)]})
+    assert m["trainer_parts_per_update"] == pytest.approx((2 + 1) / 2)
+    assert m["first_part_group_share"] == pytest.approx((3 / 4 + 4 / 4) / 2)
+    assert math.isnan(summary(timeline([10.0, 20.0, 30.0]), {"a": [(0.0, 30.0)]})["trainer_parts_per_update"])

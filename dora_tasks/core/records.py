@@ -182,6 +182,7 @@ class UpdateResult:
     end_time: float  # the train step's end; the publish of version `update + 1` follows
     published: PublishedWeights | None = None
     busy_s: float | None = None  # a streamed update: seconds it computed between start and end (None: all of them)
+    parts: tuple[tuple[float, float, int], ...] = ()  # a streamed update: (start, end, groups) of each part
 
 
 @dataclass
@@ -193,6 +194,7 @@ class UpdatePart:
     busy_s: float = 0.0  # seconds spent computing its parts
     groups: int = 0
     filtered: int = 0  # groups that an algorithmic filter left out of the loss
+    spans: tuple[tuple[float, float, int], ...] = ()  # (start, end, groups) of each part, in order
 
 
 @dataclass

@@ -49,6 +49,8 @@ class SimResult:
     predicted_step_s: float  # the split rule's estimate (0 if no rule was used)
     virtual_s: float
     events: dict[str, int] = field(default_factory=dict)
+    trainer_parts_per_update: float = float("nan")  # streamed updates: spans an update was computed in
+    first_part_group_share: float = float("nan")  # streamed updates: the share of its groups the first span held
 
     @property
     def rollout_phase_s(self) -> float:
@@ -65,6 +67,7 @@ class Update:
     versions: tuple[int, ...]
     published: float = 0.0
     pending: tuple[int, ...] = ()  # groups still running when it was handed over (streamed updates)
+    parts: list[int] = field(default_factory=list)  # groups of each span the trainer computed it in
 
 
 class Recorder:
@@ -90,6 +93,7 @@ class Recorder:
         stragglers stream in)."""
         self.trainer_busy.append((start, end, group_ids, streamed))
         self.updates[-1].end = end
+        self.updates[-1].parts.append(len(group_ids))
 
     def on_publish(self, decision: "BatchDecision", now: float) -> None:
         self.incomplete_trained += sum(self.sim.left[g] != 0 for g in decision.group_ids)
@@ -121,7 +125,7 @@ class Recorder:
     # ---- figures ----------------------------------------------------------------------------------------------------
     def result(self) -> SimResult:
         sim, cfg = self.sim, self.sim.cfg
-        steady = self.updates[self.warmup:]
+        steady = self.updates[self.warmup:sim.updates]  # not one the gate handed over as the last one published
         start, end = self.window
         span = end - start
         tokens = sum(s.prompt + s.target for u in steady for g in u.group_ids for s in sim.groups[g])
@@ -149,7 +153,17 @@ class Recorder:
             c1_mixed_trajectories=mixed,
             c2_ok=len(consumed) == len(set(consumed)) == len(self.updates) * sim.tbs and not self.incomplete_trained,
             c3_ok=max(stale) <= K, predicted_step_s=sim.split.predicted_step_s, virtual_s=end,
+            **self._parts(steady),
         )
+
+    @staticmethod
+    def _parts(steady: list[Update]) -> dict[str, float]:
+        """The streamed updates' spans, as the Dask run's `pipelines.metrics.trainer_parts` counts its parts."""
+        streamed = [u.parts for u in steady if u.pending]
+        if not streamed:
+            return {}
+        return {"trainer_parts_per_update": sum(map(len, streamed)) / len(streamed),
+                "first_part_group_share": sum(p[0] / sum(p) for p in streamed) / len(streamed)}
 
     def _closed_spans(self, start: float, end: float, usage: dict[str, tuple]) -> list[tuple]:
         """(start, usage, end, usage) of each span in [start, end] in which the gate admitted no new group."""
