@@ -273,10 +273,9 @@ def update_part(batch: TrainBatch, before: UpdatePart | None, stragglers: bool) 
     start = plugin.clock.now()
     trainable = [g for g in batch.groups if not g.filtered]
     engine.accumulate(TrainBatch(batch.update, trainable, batch.max_staleness), stragglers)
-    so_far, end = before or UpdatePart(batch.update, start), plugin.clock.now()
-    return UpdatePart(batch.update, so_far.start_time, so_far.busy_s + end - start, so_far.groups + len(batch.groups),
-                      so_far.filtered + len(batch.groups) - len(trainable),
-                      so_far.spans + ((start, end, len(batch.groups)),))
+    so_far = before or UpdatePart(batch.update)
+    return UpdatePart(batch.update, so_far.filtered + len(batch.groups) - len(trainable),
+                      so_far.spans + ((start, plugin.clock.now(), len(batch.groups)),))
 
 
 def finish_update(parts: UpdatePart, weight_store: str) -> UpdateResult:

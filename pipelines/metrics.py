@@ -302,11 +302,16 @@ def reaction_lag(tl: Timeline) -> dict[str, float]:
 def trainer_parts(tl: Timeline) -> dict[str, float]:
     """Streamed updates over the steady window: the parts an update took on the trainer, and the share of its groups
     its first part held (the rest were stragglers)."""
-    streamed = [u.parts for u in tl.steady() if u.parts]
-    if not streamed:
+    return parts_figures([[groups for *_, groups in u.parts] for u in tl.steady() if u.parts])
+
+
+def parts_figures(updates: list[list[int]]) -> dict[str, float]:
+    """Parts per update and the first part's share of the groups, from each update's groups per part (the Dask run's
+    and the simulator's)."""
+    if not updates:
         return {"trainer_parts_per_update": float("nan"), "first_part_group_share": float("nan")}
-    return {"trainer_parts_per_update": float(np.mean([len(p) for p in streamed])),
-            "first_part_group_share": float(np.mean([p[0][2] / sum(g for *_, g in p) for p in streamed]))}
+    return {"trainer_parts_per_update": float(np.mean([len(p) for p in updates])),
+            "first_part_group_share": float(np.mean([p[0] / sum(p) for p in updates]))}
 
 
 def summary(tl: Timeline, busy: dict[str, list[tuple[float, float]]],

@@ -190,11 +190,22 @@ class UpdatePart:
     """A streamed update so far (`dora.stream_updates`): the parts of its batch the trainer has computed."""
 
     update: int
-    start_time: float  # the first part began
-    busy_s: float = 0.0  # seconds spent computing its parts
-    groups: int = 0
     filtered: int = 0  # groups that an algorithmic filter left out of the loss
     spans: tuple[tuple[float, float, int], ...] = ()  # (start, end, groups) of each part, in order
+
+    @property
+    def start_time(self) -> float:
+        """When the first part began."""
+        return self.spans[0][0]
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent computing its parts."""
+        return sum(end - start for start, end, _ in self.spans)
+
+    @property
+    def groups(self) -> int:
+        return sum(groups for *_, groups in self.spans)
 
 
 @dataclass

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pipelines.metrics import parts_figures
+
 
 @dataclass
 class SimResult:
@@ -153,17 +155,8 @@ class Recorder:
             c1_mixed_trajectories=mixed,
             c2_ok=len(consumed) == len(set(consumed)) == len(self.updates) * sim.tbs and not self.incomplete_trained,
             c3_ok=max(stale) <= K, predicted_step_s=sim.split.predicted_step_s, virtual_s=end,
-            **self._parts(steady),
+            **parts_figures([u.parts for u in steady if u.pending]),
         )
-
-    @staticmethod
-    def _parts(steady: list[Update]) -> dict[str, float]:
-        """The streamed updates' spans, as the Dask run's `pipelines.metrics.trainer_parts` counts its parts."""
-        streamed = [u.parts for u in steady if u.pending]
-        if not streamed:
-            return {}
-        return {"trainer_parts_per_update": sum(map(len, streamed)) / len(streamed),
-                "first_part_group_share": sum(p[0] / sum(p) for p in streamed) / len(streamed)}
 
     def _closed_spans(self, start: float, end: float, usage: dict[str, tuple]) -> list[tuple]:
         """(start, usage, end, usage) of each span in [start, end] in which the gate admitted no new group."""
