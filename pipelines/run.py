@@ -36,6 +36,7 @@ from dora_tasks.episodes import EpisodeSpec
 from dora_tasks.workloads.datasets import load_prompts, rows_to_prompts, split_eval
 from dora_tasks.workloads.rewards import check_reward_fn
 from dora_tasks.plugins import RolloutPlugin, TrainerPlugin, busy_spans, reports_topic
+from pipelines.cache import cache_root
 from pipelines.cluster import TRAINER, connect, required_roles, wait_for_workers, worker_wait_s
 from pipelines.driver import POLL_S, Driver
 from pipelines.events import Evaluated, Published, TrainerRestored, Turn
@@ -217,10 +218,6 @@ def restored_message(event: TrainerRestored) -> str:
 
 
 # ---- the initial policy and the workers' plugins -----------------------------------------------------------------
-def cache_root() -> str:
-    return os.environ.get("DORA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dora"))
-
-
 def initial_policy(cfg: Config) -> str:
     """The model path given, or a warm-started policy (cached by its settings); for the emulated task, an emulated
     model folder (no weights, nothing to warm-start)."""

@@ -21,6 +21,9 @@ Simplifications, and why:
   `dora.superseded_by`): the killed run logged updates after its last checkpoint that the resume trains again, and
   MLflow cannot delete logged values. The pipeline logs the store's kept updates into the new run first, so it holds
   every step once.
+- A new local sqlite store starts as a copy of an empty one at this MLflow's schema, kept in the cache
+  (`pipelines.cache`): creating and migrating its tables takes seconds per run, a copy milliseconds. The copy lacks
+  MLflow's default experiment, which MLflow adds as it opens the store, as it does for a new one.
 - Runs share an experiment's artifact location: with a shared `mlflow_uri`, artifacts land under the run folder of the
   run that created the experiment. Per-run-folder stores (the default) avoid that.
 """
@@ -28,8 +31,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 import queue
 import shlex
+import shutil
+import sqlite3
 import subprocess
 import threading
 import time
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from dora_tasks.core.config import Config
+from pipelines.cache import cache_root
 
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the run folder: the MLflow run of its latest start or resume
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
@@ -65,6 +72,46 @@ def resolve_tracking_uri(cfg: Config) -> str:
 
 def is_local_store(uri: str) -> bool:
     return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a `sqlite:///path` URI (None for any other store, or one with query arguments)."""
+    prefix = "sqlite:///"
+    return Path(uri[len(prefix):]) if uri.startswith(prefix) and "?" not in uri else None
+
+
+def seed_sqlite_store(uri: str) -> None:
+    """Where `uri` names a sqlite file that does not exist yet, copy the empty store there (never over a file that
+    another process created meanwhile)."""
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.copyfile(empty_store(), scratch)
+    try:
+        os.link(scratch, path)
+    except FileExistsError:
+        pass
+    finally:
+        scratch.unlink()
+
+
+def empty_store() -> Path:
+    """An empty sqlite store at this MLflow's schema, built once per MLflow version, without the default experiment
+    (MLflow adds it with its artifact location and time as it opens a copy)."""
+    from mlflow.tracking import MlflowClient
+
+    template = Path(cache_root()) / "mlflow" / importlib.metadata.version("mlflow") / "empty.db"
+    if template.exists():
+        return template
+    template.parent.mkdir(parents=True, exist_ok=True)
+    scratch = template.with_name(f".empty.{os.getpid()}.db")
+    MlflowClient(tracking_uri=f"sqlite:///{scratch}").search_experiments()  # creates and migrates the tables
+    with sqlite3.connect(scratch) as db:
+        db.execute("DELETE FROM experiments")
+    os.replace(scratch, template)
+    return template
 
 
 def artifact_location(cfg: Config) -> str:
@@ -270,6 +317,7 @@ class Tracker:
             raise ConnectionError(f"no MLflow server answers at {self.tracking_uri}/health")
         if is_local_store(self.tracking_uri):
             Path(self.cfg.storage.run_dir).mkdir(parents=True, exist_ok=True)
+        seed_sqlite_store(self.tracking_uri)
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=self.tracking_uri)

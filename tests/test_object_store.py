@@ -325,7 +325,7 @@ def test_a_run_and_its_resume_with_every_store_on_s3_need_no_shared_folder(s3, t
     from distributed import Client
 
     from dora_tasks.plugins import WORKER_ENV
-    from pipelines.run import cache_root
+    from pipelines.cache import cache_root
 
     driver = tmp_path / "driver"
     driver.mkdir()

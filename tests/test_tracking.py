@@ -16,7 +16,8 @@ import pytest
 
 from pipelines import plots
 from dora_tasks.core.config import load_config
-from pipelines.tracking import NullTracker, Tracker, TrackingWarning, finite_metrics, resolve_tracking_uri
+from pipelines.tracking import (NullTracker, Tracker, TrackingWarning, empty_store, finite_metrics, resolve_tracking_uri,
+                                seed_sqlite_store)
 from synthetic_run import synthetic_tables
 
 SERVER_READY_TIMEOUT_S = 180
@@ -158,6 +159,34 @@ def test_tracker_with_the_default_local_sqlite_store(pngs, tmp_path):
     assert new.data.tags["dora.resumed_from"] == tracker.run_id
     assert new.data.params["dora.num_updates"] == "20"
     assert (run_dir / "mlflow_run_id.txt").read_text().strip() == again.run_id
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_cached_empty_one_and_opens_like_a_created_one(tmp_path, monkeypatch):
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("DORA_CACHE", str(tmp_path / "cache"))
+    created, seeded = tmp_path / "created.db", tmp_path / "run" / "seeded.db"
+    MlflowClient(tracking_uri=f"sqlite:///{created}").search_experiments()
+    seed_sqlite_store(f"sqlite:///{seeded}")
+    assert empty_store().parent.parent == tmp_path / "cache" / "mlflow" and seeded.is_file()
+
+    def schema(path) -> list:  # a table's constraints come in any order from MLflow's migrations: lines sorted
+        with sqlite3.connect(path) as db:
+            rows = db.execute("SELECT type, name, sql FROM sqlite_master ORDER BY name").fetchall()
+            return [(kind, name, sorted((sql or "").split("\n"))) for kind, name, sql in rows] + \
+                db.execute("SELECT * FROM alembic_version").fetchall()
+
+    assert schema(seeded) == schema(created)  # the same tables, indexes and migrations
+    experiments = MlflowClient(tracking_uri=f"sqlite:///{seeded}").search_experiments()
+    assert [(e.experiment_id, e.name) for e in experiments] == [("0", "Default")]  # added as MLflow opened it
+
+    with sqlite3.connect(seeded) as db:
+        db.execute("CREATE TABLE mine (x)")
+    seed_sqlite_store(f"sqlite:///{seeded}")  # an existing store is never replaced
+    assert ("table", "mine") in [row[:2] for row in schema(seeded)]
+    assert not list(seeded.parent.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("flush_s, batches", [(3600.0, 1), (0.0, 5)])
