@@ -19,7 +19,7 @@ from processes import dora, kill_group, resume_to_end
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # default suite: test_chaos's driver trial (killed by PID, resumed, the same checks and MLflow's)
 def test_driver_killed_by_pid_then_resumed_trains_every_prompt_once(tmp_path):
     run_dir = tmp_path / "run"
     K, N = 1, 6
