@@ -16,9 +16,14 @@ through the real driver (`open_run` + `stream`) attached to it, and measure with
   in emulated seconds;
 * groups in flight (the most, over the driver's turns), emulated throughput and rollout bubble (the run's summary).
 
+* the emulated engines' pace: the seconds they emulated over the wall seconds their servers had requests to serve,
+  times the speed-up, summed over the instances (`dora_tasks.plugins.engine_pace`); below 1, this machine's CPU
+  passed as emulated time in which instances produced nothing.
+
 A row is marked CPU-PACED when this machine rather than the emulated hardware may have set the pace: driver plus
-scheduler above 80% of a core, the machine above 90% busy, or the driver's reaction to the trainer's updates and parts
-(from one ending to the driver's next decisions, `pipelines.metrics`) above 2% of the steady window in emulated seconds. The markdown table is printed and written to
+scheduler above 80% of a core, the machine above 90% busy, the driver's reaction to the trainer's updates and parts
+(from one ending to the driver's next decisions, `pipelines.metrics`) above 2% of the steady window in emulated
+seconds, or the engines' pace under 95%. The markdown table is printed and written to
 benchmarks/results/emulated_scale.md (with `--out` elsewhere).
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ CPU_PACED_MACHINE_SHARE = 0.9
 # The trainer's next update or part waits on the driver's reaction to the one before: this share of the steady window
 # costs up to as much throughput where the trainer sets the pace.
 CPU_PACED_TRAINER_LAG = 0.02
+CPU_PACED_ENGINE_PACE = 0.95  # the instances emulated less than this share of the time they had work
 # The trainer's worker holds the batches handed to it (update lookahead + 1; at TBS 512 x G 16 a batch is hundreds
 # of MB of token arrays) and the CPU worker scores whole groups: `cluster.worker_memory` sizes the rollout workers.
 TRAINER_AND_CPU_MEMORY = "6GiB"
@@ -170,6 +176,7 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
 
     from distributed import get_task_stream
 
+    from dora_tasks.plugins import engine_pace
     from pipelines.events import Turn
     from pipelines.run import open_run
     from pipelines.streaming import stream
@@ -190,6 +197,8 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
         wall = time.time() - wall0
         driver_cpu, sched_cpu = _cpu(me) - cpu0, _cpu(scheduler) - sched0
         machine = _busy_share(machine0, psutil.cpu_times())
+        row["engine_pace"] = pace([p for p in run.driver.client.run(engine_pace).values() if p is not None],
+                                  cfg.emulation.speedup)
         summary = run.finish()
     groups = cfg.dora.num_updates * cfg.dora.train_batch_size
     row.update({
@@ -216,8 +225,15 @@ def run_and_measure(cfg, scheduler, workers) -> dict:
     row.update(consume_latency(cfg))
     row["task_seconds"] = task_seconds(tasks.data, cfg.emulation.speedup, cfg.dora.num_updates)
     row["cpu_paced"] = (row["core_share"] > CPU_PACED_CORE_SHARE or machine > CPU_PACED_MACHINE_SHARE
-                        or row["trainer_lag_share"] > CPU_PACED_TRAINER_LAG)
+                        or row["trainer_lag_share"] > CPU_PACED_TRAINER_LAG
+                        or row["engine_pace"] < CPU_PACED_ENGINE_PACE)
     return row
+
+
+def pace(engines: list[tuple[float, float]], speedup: float) -> float:
+    """Seconds emulated over wall seconds serving times the speed-up, over every instance (nan: none served)."""
+    serving = sum(wall for _, wall in engines) * speedup
+    return sum(emulated for emulated, _ in engines) / serving if serving else float("nan")
 
 
 def time_orchestration(driver) -> list[float]:
@@ -299,7 +315,7 @@ COLUMNS = [
     ("core_share", "driver+sched (core share)", "{:.0%}"), ("machine_share", "machine busy", "{:.0%}"),
     ("latency_p50_s", "group end -> update p50 (emu s)", "{:.0f}"),
     ("latency_p90_s", "p90 (emu s)", "{:.0f}"), ("trainer_lag_share", "driver lag on the trainer", "{:.2%}"),
-    ("in_flight_max", "groups in flight (max)", "{}"),
+    ("engine_pace", "engines' pace", "{:.1%}"), ("in_flight_max", "groups in flight (max)", "{}"),
     ("throughput", "throughput (emu tok/s)", "{:,.0f}"), ("step_s", "step (emu s)", "{:.1f}"),
     ("rollout_bubble", "rollout bubble", "{:.1%}"), ("wall_s", "loop wall (s)", "{:.0f}"),
     ("audit_ok", "audit", "{}"), ("cpu_paced", "paced by", "{}"),

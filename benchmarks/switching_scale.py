@@ -24,9 +24,10 @@ Columns (emulated seconds throughout; wall figures are this machine's):
   seconds (x speed-up) over the emulated run, plus the receivers' emulated seconds taking moved responses in (the
   emulated engine re-prefills them), over N x the emulated run: each a share of an instance's step time;
 * gain: tokens/s over the drain and the queue rows of the same N;
-* machine busy, driver lag on the trainer and "paced by": as `emulated_scale` decides CPU-PACED (driver + scheduler
-  above 80% of a core, the machine above 90% busy, or the driver's reaction to the trainer's updates and parts above
-  2% of the steady window): such a row measured this machine, not the emulated hardware;
+* machine busy, driver lag on the trainer, engines' pace and "paced by": as `emulated_scale` decides CPU-PACED
+  (driver + scheduler above 80% of a core, the machine above 90% busy, the driver's reaction to the trainer's updates
+  and parts above 2% of the steady window, or the emulated engines' pace under 95%): such a row measured this
+  machine, not the emulated hardware;
 * sim: the simulator's tokens/s and rollout bubble, and their difference from the Dask row (relative, absolute);
 * parts and first part's groups (streamed updates): the spans the trainer computed a streamed update in, and the
   share of its groups its first part held, on Dask and in the simulator.
@@ -133,7 +134,8 @@ COLUMNS = [
     ("open_window_s", "open window (emu s)", "{:,.0f}"), ("overhead_share", "orch + transfer (of step)", "{}"),
     ("migrations", "migrations", "{:.0f}"), ("gain_drain", "gain vs drain", "{:+.1%}"),
     ("gain_queue", "gain vs queue", "{:+.1%}"), ("machine_share", "machine busy", "{:.0%}"),
-    ("trainer_lag_share", "driver lag on the trainer", "{:.2%}"), ("cpu_paced", "paced by", "{}"),
+    ("trainer_lag_share", "driver lag on the trainer", "{:.2%}"), ("engine_pace", "engines' pace", "{:.1%}"),
+    ("cpu_paced", "paced by", "{}"),
     ("audit_ok", "audit C1-C3", "{}"),
     ("sim_tokens_per_s", "sim tokens/s (diff)", "{}"), ("sim_rollout_bubble", "sim bubble (diff)", "{}"),
     ("sim_open_bubble", "sim open bubble (diff)", "{}"), ("sim_open_bubble_held", "sim gate held / free", "{}"),

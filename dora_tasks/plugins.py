@@ -195,6 +195,18 @@ def busy_spans(dask_worker):
     return None if server is None else [(plugin.clock.at(s), plugin.clock.at(e)) for s, e in server.busy.spans]
 
 
+def engine_pace(dask_worker) -> tuple[float, float] | None:
+    """An emulated rollout instance's (seconds its engine emulated, wall seconds its server had requests to serve);
+    None on other workers and engines. Where this machine keeps up, the first is the second times
+    `emulation.speedup`: what falls short is this machine's CPU (the server's work between chunks, late wake-ups)
+    passing as emulated time in which the instance produced nothing."""
+    server = getattr(dask_worker.plugins.get(ROLLOUT_PLUGIN), "server", None)
+    engine = None if server is None else server.engine
+    if engine is None or not hasattr(engine, "emulated_s"):
+        return None
+    return engine.emulated_s, server.serving.busy_seconds()
+
+
 async def hand_over_requests(request_ids: list, dask_worker) -> list[tuple]:
     """Hand the running responses of `request_ids` over at this rollout instance's next chunk boundary (`client.run`
     on the source instance, not a task: every thread of the worker may be held by a rollout task blocked on the

@@ -105,6 +105,7 @@ class RolloutServer:
         self._cond = threading.Condition()
         self._closed = False
         self.busy = BusyLog()
+        self.serving = BusyLog()  # spans in which it had requests to serve: decoding, loading, and its work between
         self.loads: list[tuple[int, float, float]] = []  # (version, start, end)
         self._thread = threading.Thread(target=self._loop, name="dora-rollout-engine", daemon=True)
         self._thread.start()
@@ -112,6 +113,11 @@ class RolloutServer:
     @property
     def version(self) -> int:
         return -1 if self._engine is None else self._engine.version
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The engine, once the first request started it."""
+        return self._engine
 
     def generate(self, version: int, weights_path: str, prompt_ids: list[int], n: int, seed: int, *,
                  request_id: Hashable = None) -> list[Generation | Continuation]:
@@ -210,6 +216,7 @@ class RolloutServer:
             start = time.time()
             self._engine.load_version(self._engine.version, weights_path)
             self.loads.append((self._engine.version, start, time.time()))
+            self.serving.spans.append(self.loads[-1][1:])
 
     def close(self) -> None:
         with self._cond:
@@ -226,6 +233,7 @@ class RolloutServer:
                     return
                 batch = self._take_batch()
                 self._serving = True
+            start = time.time()
             try:
                 self._serve(batch)
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting task, which re-raises it
@@ -234,6 +242,7 @@ class RolloutServer:
                         r.error = exc
                         r.done.set()
             finally:
+                self.serving.spans.append((start, time.time()))
                 self._stop_serving()
 
     def _stop_serving(self) -> None:

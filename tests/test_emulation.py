@@ -188,6 +188,7 @@ def worker_probe(dask_worker):
 
 
 def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_path):
+    from dora_tasks.plugins import engine_pace
     from pipelines.run import open_run
     from pipelines.streaming import stream
     from storage.trajectory_store import TrajectoryStore
@@ -206,7 +207,10 @@ def test_an_emulated_16_instance_run_is_audited_clean_on_torch_free_workers(tmp_
         streamed = time.time()
         stream(run.driver, lambda d: probes or probes.update(d.client.run(worker_probe)))
         streamed = time.time() - streamed
+        paces = [p for p in run.driver.client.run(engine_pace).values() if p is not None]
         summary = run.finish()
+    # each instance emulated at most its serving time's worth (sleeps last at least what they are asked)
+    assert len(paces) == 16 and all(0.0 < emulated <= wall * speedup * 1.001 for emulated, wall in paces)
     assert summary.audit_ok, summary.audit_text
     for clause in ("C1", "C2", "C3"):
         assert f"{clause} " in summary.audit_text and "FAIL" not in summary.audit_text
