@@ -14,6 +14,7 @@ import yaml
 from conftest import SMALL_RUN
 from processes import dora, kill_group, resume_to_end
 
+from pipelines.cache import cache_root
 from storage.audit import audit_store
 from storage.checkpoint import CheckpointStore
 from storage.trajectory_store import TrajectoryStore
@@ -26,11 +27,23 @@ MAX_TERMINAL_LINES = 40  # two lines at the start, the live view (a line per 5 s
 LIBRARY_LINES = ("Loading weights", "Creating initial MLflow database tables")  # workers: transformers; driver: MLflow
 
 
+def fresh_cache(tmp_path) -> dict:
+    """The environment of a run whose cache holds the warm-started policies but no empty MLflow store yet: its driver
+    creates one, and MLflow logs that."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    warm = os.path.join(cache_root(), "warmstart")
+    os.makedirs(warm, exist_ok=True)
+    (cache / "warmstart").symlink_to(warm)
+    return {**os.environ, "DORA_CACHE": str(cache)}
+
+
 def run_example(name: str, tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
     run_dir = str(tmp_path / "run")
     proc = subprocess.run([sys.executable, os.path.join("examples", name), f"storage.run_dir={run_dir}",
                            f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db", *TINY, *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+                          env=fresh_cache(tmp_path))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir
 
