@@ -427,7 +427,7 @@ def test_a_lora_run_keeps_all_three_constraints_and_publishes_adapters(small_con
 
 
 @pytest.mark.slow
-@pytest.mark.long  # default suite: test_a_checkpoint_holds_the_adapter_... and test_resume's kill and resume
+@pytest.mark.long  # default suite: test_a_checkpoint_holds_the_adapter_... and test_chaos's driver kill and resume
 def test_a_lora_run_killed_and_resumed_continues_from_its_adapter_checkpoint(tmp_path):
     """The driver killed by its PID after a checkpoint; the resumed trainer starts from the base plus the adapter of
     the checkpoint's version and its optimizer state; every prompt is trained once."""
@@ -464,7 +464,7 @@ def test_a_lora_run_killed_and_resumed_continues_from_its_adapter_checkpoint(tmp
     assert lora.is_adapter_folder(WeightStore(str(run_dir / "weights")).path_for(N))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # default suite: the vLLM engine's and DeepSpeed's adapter tests above, and the LoRA runs
 @pytest.mark.vllm
 @pytest.mark.deepspeed
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("deepspeed") is None,

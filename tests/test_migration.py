@@ -482,7 +482,7 @@ def test_a_run_with_request_migration_keeps_the_constraints_and_the_behaviour_lo
     assert (moved["reprefill_tokens"] == 0).all()  # the KV cache moved with each response
 
 
-@pytest.mark.slow
+@pytest.mark.long  # default suite: test_request_handover's vLLM re-prefill and the migrating runs above
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is needed")
 def test_a_vllm_run_moves_responses_by_a_measured_reprefill_and_keeps_the_constraints(small_config):
