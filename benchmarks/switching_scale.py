@@ -29,6 +29,8 @@ Columns (emulated seconds throughout; wall figures are this machine's):
   and parts above 2% of the steady window, or the emulated engines' pace under 95%): such a row measured this
   machine, not the emulated hardware;
 * sim: the simulator's tokens/s and rollout bubble, and their difference from the Dask row (relative, absolute);
+* responses moved: over the whole run, one per running response a migration carried (the store's `migrations`
+  rows), and the simulator's count of the same;
 * parts and first part's groups (streamed updates): the spans the trainer computed a streamed update in, and the
   share of its groups its first part held, on Dask and in the simulator.
 """
@@ -111,7 +113,8 @@ def simulated(cfg) -> dict:
     return {"sim_tokens_per_s": figures.tokens_per_s, "sim_rollout_bubble": figures.rollout_bubble,
             "sim_open_bubble": result.open_rollout_bubble, "sim_open_bubble_held": result.open_rollout_bubble_held,
             "sim_non_overlapped": result.non_overlapped_share,
-            "sim_migrations": result.migrations, "sim_trainer_parts": result.trainer_parts_per_update,
+            "sim_migrations": result.migrations, "sim_moved_responses": result.moved_responses,
+            "sim_trainer_parts": result.trainer_parts_per_update,
             "sim_first_part_share": result.first_part_group_share, "sim_c_ok": result.c2_ok and result.c3_ok
             and result.c1_mixed_trajectories == 0, "sim_wall_s": time.perf_counter() - start}
 
@@ -132,7 +135,7 @@ COLUMNS = [
     ("open_bubble_held", "open bubble: gate held / free", "{}"), ("gate_closed_share", "gate closed", "{:.0%}"),
     ("non_overlapped", "non-overlapped", "{:.1%}"),
     ("open_window_s", "open window (emu s)", "{:,.0f}"), ("overhead_share", "orch + transfer (of step)", "{}"),
-    ("migrations", "migrations", "{:.0f}"), ("gain_drain", "gain vs drain", "{:+.1%}"),
+    ("migrations", "responses moved (sim)", "{:.0f}"), ("gain_drain", "gain vs drain", "{:+.1%}"),
     ("gain_queue", "gain vs queue", "{:+.1%}"), ("machine_share", "machine busy", "{:.0%}"),
     ("trainer_lag_share", "driver lag on the trainer", "{:.2%}"), ("engine_pace", "engines' pace", "{:.1%}"),
     ("cpu_paced", "paced by", "{}"),
@@ -159,6 +162,8 @@ def cell(row: dict, key: str, fmt: str) -> str:
     if key in ("open_bubble_held", "sim_open_bubble_held") and value is not None:
         whole = row["open_bubble" if key == "open_bubble_held" else "sim_open_bubble"]
         return f"{value:.1%} / {whole - value:.1%}"
+    if key == "migrations" and row.get("sim_moved_responses") is not None:
+        return f"{value:.0f} ({row['sim_moved_responses']})"
     if key in ("trainer_parts", "first_part_share") and value is not None and value == value:
         fmt = "{:.2f}" if key == "trainer_parts" else "{:.0%}"
         return f"{fmt.format(value)} ({fmt.format(row.get('sim_' + key, float('nan')))})"

@@ -154,8 +154,10 @@ def test_held_token_totals_equal_a_recount_through_submits_takes_preemptions_and
 
 
 def test_migrating_run_keeps_the_orchestrators_running_totals():
-    sim, _ = run("dora", switching="migrate", max_rows=16)  # check=True: validate() recounts them every turn
+    sim, result = run("dora", switching="migrate", max_rows=16)  # check=True: validate() recounts them every turn
     assert sim.record.migrations[0] > 0
+    # a move carries the group's running responses, at least one: counted over the whole run, as the Dask store does
+    assert sim.record.migrations[0] <= result.moved_responses <= sim.record.migrations[0] * SMALL["group_size"]
 
 
 def test_group_reports_tell_the_orchestrator_only_what_task_ends_say():

@@ -200,6 +200,7 @@ class Simulation:
             seqs = source.take(action.group_id)
             self.moved.add(action.group_id)
             self.record.migrations[0] += 1
+            self.record.moved_responses += len(seqs)
             if self.cfg.handover_s > 0:
                 self.in_transit.append((self.now + self.cfg.handover_s, action.target, action.group_id, seqs))
                 return

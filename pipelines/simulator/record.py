@@ -53,6 +53,7 @@ class SimResult:
     events: dict[str, int] = field(default_factory=dict)
     trainer_parts_per_update: float = float("nan")  # streamed updates: spans an update was computed in
     first_part_group_share: float = float("nan")  # streamed updates: the share of its groups the first span held
+    moved_responses: int = 0  # over the whole run, as the Dask store counts migrations (one per response moved)
 
     @property
     def rollout_phase_s(self) -> float:
@@ -80,6 +81,7 @@ class Recorder:
         self.window: list[float] = [0.0, 0.0]
         self.usage0 = {name: (0.0,) * 5 for name in sim.engines}
         self.migrations = [0, 0]  # in all, at the window's start
+        self.moved_responses = 0  # over the whole run: the running responses the moves carried (Dask's unit)
         self.usage1: dict[str, tuple] = {}
         self.budget_spent: tuple[float, dict[str, tuple]] | None = None  # when the last group was dispatched
         self.gate_marks: list[tuple[float, bool, dict[str, tuple]]] = []  # the gate closed / opened, engines' usage
@@ -155,7 +157,7 @@ class Recorder:
             c1_mixed_trajectories=mixed,
             c2_ok=len(consumed) == len(set(consumed)) == len(self.updates) * sim.tbs and not self.incomplete_trained,
             c3_ok=max(stale) <= K, predicted_step_s=sim.split.predicted_step_s, virtual_s=end,
-            **parts_figures([u.parts for u in steady if u.pending]),
+            moved_responses=self.moved_responses, **parts_figures([u.parts for u in steady if u.pending]),
         )
 
     def _closed_spans(self, start: float, end: float, usage: dict[str, tuple]) -> list[tuple]:
