@@ -86,9 +86,13 @@ def seed_sqlite_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None or path.exists():
         return
+    try:
+        template = empty_store()
+    except (OSError, sqlite3.Error):  # a cache it cannot write: MLflow creates the store itself, as it used to
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    shutil.copyfile(empty_store(), scratch)
+    shutil.copyfile(template, scratch)
     try:
         os.link(scratch, path)
     except FileExistsError:

@@ -189,6 +189,15 @@ def test_a_new_sqlite_store_is_a_copy_of_the_cached_empty_one_and_opens_like_a_c
     assert not list(seeded.parent.glob(".*.tmp"))
 
 
+def test_a_cache_that_cannot_be_written_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
+    monkeypatch.setenv("DORA_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a folder")
+    cfg = make_cfg(tmp_path)
+    with Tracker(cfg) as tracker:
+        tracker.log_update(0, {"reward_mean": 0.5})
+    assert tracker.failures == 0 and (tmp_path / "run" / "mlflow.db").is_file()
+
+
 @pytest.mark.parametrize("flush_s, batches", [(3600.0, 1), (0.0, 5)])
 def test_metrics_reach_mlflow_in_batches_and_all_by_the_end(tmp_path, flush_s, batches):
     """`tracking.metrics_flush_s` batches updates into one MLflow write; closing flushes what is left."""
