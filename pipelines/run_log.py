@@ -48,6 +48,21 @@ def _terminal_stream() -> tuple[TextIO, bool]:
     return sys.stderr, False
 
 
+class InterruptedSync(logging.Filter):
+    """Ctrl-C just as a Dask client call starts: distributed's `sync` then cancels a future it has not made yet, and
+    tornado logs the NameError of that callback with a traceback. The stop is the user's: the line stays, the
+    traceback goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, NameError) and "sync.<locals>.cancel" in record.getMessage():
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+INTERRUPTED_SYNC_LOGGER = "tornado.application"
+
+
 class RunLog:
     """Context manager: the log file takes fds 1 and 2 (and the `dora` logger) while the run is open; `terminal`
     is where the user's lines go. Disabled (`enabled=False`), nothing moves and `terminal` is stderr."""
@@ -60,6 +75,7 @@ class RunLog:
         self._saved_fds: dict[int, int] = {}
         self._saved_logger: tuple | None = None
         self._made_folder = False
+        self._interrupted_sync: logging.Filter | None = None
 
     def __enter__(self) -> RunLog:
         if not self.enabled:
@@ -77,6 +93,8 @@ class RunLog:
         finally:
             os.close(log_fd)
         self._route_dora_logger()
+        self._interrupted_sync = InterruptedSync()
+        logging.getLogger(INTERRUPTED_SYNC_LOGGER).addFilter(self._interrupted_sync)
         self.say(f"engine and library logs: {self.path}")
         return self
 
@@ -101,6 +119,7 @@ class RunLog:
             os.close(saved)
         self._saved_fds.clear()
         self._restore_dora_logger()
+        logging.getLogger(INTERRUPTED_SYNC_LOGGER).removeFilter(self._interrupted_sync)
         if self._own_terminal:
             self.terminal.close()
         self.terminal, self._own_terminal = sys.stderr, False

@@ -147,6 +147,41 @@ def test_run_log_takes_every_descriptor_write_and_keeps_the_terminal_for_the_use
     assert capfd.readouterr().err == "after\n"
 
 
+def test_ctrl_c_as_a_dask_call_starts_logs_tornados_line_without_the_traceback(tmp_path):
+    """distributed's `sync` cancels, on Ctrl-C, a future it may not have made yet: its callback's NameError reaches
+    tornado's logger with a traceback. In a run's log only the line is kept; any other error keeps its traceback."""
+    import functools
+    import io
+
+    def sync():
+        def cancel():
+            raise NameError("cannot access free variable 'future'")
+        return cancel
+
+    def logged(callback) -> str:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        tornado = logging.getLogger("tornado.application")
+        tornado.addHandler(handler)
+        try:
+            try:
+                callback()
+            except Exception:
+                tornado.error("Exception in callback %r", functools.partial(callback), exc_info=True)
+        finally:
+            tornado.removeHandler(handler)
+        return stream.getvalue()
+
+    def other():
+        raise NameError("a bug of someone else")
+
+    with RunLog(str(tmp_path)):
+        interrupted, failed = logged(sync()), logged(other)
+    assert "sync.<locals>.cancel" in interrupted and "Traceback" not in interrupted
+    assert "Traceback" in failed and "a bug of someone else" in failed
+    assert "Traceback" in logged(sync())  # outside a run nothing is filtered
+
+
 def test_runs_on_one_cluster_never_share_a_task_key():
     """Dask hands back the future it already knows under a key: each run's keys end with a tag of its own (and keep
     their name first, the dashboard's task prefix)."""
