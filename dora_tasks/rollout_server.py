@@ -105,7 +105,7 @@ class RolloutServer:
         self._cond = threading.Condition()
         self._closed = False
         self.busy = BusyLog()
-        self.serving = BusyLog()  # spans in which it had requests to serve: decoding, loading, and its work between
+        self.serving = BusyLog()  # spans with requests to serve: decoding, loading, its work between chunks
         self.loads: list[tuple[int, float, float]] = []  # (version, start, end)
         self._thread = threading.Thread(target=self._loop, name="dora-rollout-engine", daemon=True)
         self._thread.start()
