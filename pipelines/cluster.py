@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ EMBEDDED_DASK_CONFIG = {
     "distributed.worker.memory.monitor-interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
 }
+# Embedded workers are forked from a server process that imported Dask once, instead of each starting a fresh
+# interpreter (spawn): on 2 cores a run starts and closes ~10 s sooner. A forked worker inherits that server's
+# environment, so each Nanny passes this process's whole environment on (`os.environ` when the cluster starts).
+WORKER_START_METHOD = {"distributed.worker.multiprocessing-method": "forkserver"}
 
 
 class ClusterError(RuntimeError):
@@ -94,7 +99,8 @@ def security(cfg: ClusterConfig) -> Security | None:
 
 
 def embedded_cluster(cfg: Config) -> SpecCluster:
-    env = dict(WORKER_ENV)
+    dask.config.set(WORKER_START_METHOD)  # for good: a Nanny restarting its worker later starts it the same way
+    env = {**os.environ, **WORKER_ENV}
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.rollout.kv_cache_bytes // 2**30))
     sec = security(cfg.cluster)
     # A Nanny passes host and protocol on to its worker, whose HTTP server then listens on that host too.
