@@ -53,13 +53,15 @@ ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=
 
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
-# Nanny and worker and the 0.5 s system monitors take CPU the engines need, so they run rarely or not at all.
-# Memory limits still hold (checked every 0.5 s); the dashboard's profile page stays empty.
-# On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
+# Nanny and worker, the 0.5 s system monitors and every server's 20 ms event-loop tick (it only measures the loop's
+# delay: an idle cluster of four workers took a fifth of a core, 16 CLI workers two thirds) take CPU the engines
+# need, so they run rarely or not at all. Memory limits still hold (checked every 0.5 s); the dashboard's profile
+# page stays empty. On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
 EMBEDDED_DASK_CONFIG = {
     "distributed.worker.profile.enabled": False,
     "distributed.worker.memory.monitor-interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
+    "distributed.admin.tick.interval": "1s",
 }
 # Embedded workers are forked from a server process that imported Dask once, instead of each starting a fresh
 # interpreter (spawn): on 2 cores a run starts and closes ~10 s sooner. A forked worker inherits that server's

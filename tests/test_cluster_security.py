@@ -132,6 +132,46 @@ def test_the_embedded_cluster_listens_on_loopback_only(small_config, certificate
         cluster.close()
 
 
+def _worker_start() -> tuple[str | None, object, bool]:
+    """In a worker: the test's mark from the environment, its event-loop tick, and whether a forkserver started it."""
+    import dask
+
+    parent = " ".join(psutil.Process().parent().cmdline())
+    return os.environ.get("DORA_TEST_MARK"), dask.config.get("distributed.admin.tick.interval"), "forkserver" in parent
+
+
+def test_embedded_workers_fork_from_a_server_yet_see_this_process_environment(small_config, monkeypatch):
+    """A forked worker inherits its server's environment, which an earlier cluster of this process may have started:
+    the Nanny passes the environment of the moment on. The quiet settings (`EMBEDDED_DASK_CONFIG`) reach every
+    worker, and the benchmarks' CLI workers get the same from their environment."""
+    import dask
+
+    from benchmarks.emulated_scale import QUIET_WORKERS
+    from pipelines.cluster import EMBEDDED_DASK_CONFIG
+
+    from multiprocessing import forkserver
+
+    from distributed.utils import get_mp_context
+
+    from pipelines.cluster import WORKER_START_METHOD
+
+    with dask.config.set(WORKER_START_METHOD):
+        get_mp_context()  # distributed's preloads, as its Nannies set them
+    forkserver.ensure_running()  # the server predates the mark
+    mark = f"mark-{time.time_ns()}"
+    monkeypatch.setenv("DORA_TEST_MARK", mark)
+    cluster, client = connect(small_config())
+    try:
+        wait_for_workers(client, 60)
+        seen = set(client.run(_worker_start).values())
+    finally:
+        client.close()
+        cluster.close()
+    assert seen == {(mark, EMBEDDED_DASK_CONFIG["distributed.admin.tick.interval"], True)}
+    from_env = dask.config.collect_env(QUIET_WORKERS)
+    assert {key: dask.config.get(key, config=from_env) for key in EMBEDDED_DASK_CONFIG} == EMBEDDED_DASK_CONFIG
+
+
 # --- a TLS cluster started from the CLI -------------------------------------------------------------------------------
 
 class Processes:
