@@ -54,8 +54,7 @@ ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
 # Nanny and worker, the 0.5 s system monitors and every server's 20 ms event-loop tick (it only measures the loop's
-# delay: an idle cluster of four workers took a fifth of a core, 16 CLI workers two thirds) take CPU the engines
-# need, so they run rarely or not at all. Memory limits still hold (checked every 0.5 s); the dashboard's profile
+# delay, yet many idle workers' ticks fill a core) take CPU the engines need, so they run rarely or not at all. Memory limits still hold (checked every 0.5 s); the dashboard's profile
 # page stays empty. On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
 EMBEDDED_DASK_CONFIG = {
     "distributed.worker.profile.enabled": False,
@@ -64,7 +63,7 @@ EMBEDDED_DASK_CONFIG = {
     "distributed.admin.tick.interval": "1s",
 }
 # Embedded workers are forked from a server process that imported Dask once, instead of each starting a fresh
-# interpreter (spawn): on 2 cores a run starts and closes ~10 s sooner. A forked worker inherits that server's
+# interpreter (spawn), so a run starts and closes sooner (docs/benchmark.md). A forked worker inherits that server's
 # environment, so each Nanny passes this process's whole environment on (`os.environ` when the cluster starts).
 WORKER_START_METHOD = {"distributed.worker.multiprocessing-method": "forkserver"}
 

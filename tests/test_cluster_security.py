@@ -142,18 +142,15 @@ def _worker_start() -> tuple[str | None, object, bool]:
 
 def test_embedded_workers_fork_from_a_server_yet_see_this_process_environment(small_config, monkeypatch):
     """A forked worker inherits its server's environment, which an earlier cluster of this process may have started:
-    the Nanny passes the environment of the moment on. The quiet settings (`EMBEDDED_DASK_CONFIG`) reach every
-    worker, and the benchmarks' CLI workers get the same from their environment."""
-    import dask
-
-    from benchmarks.emulated_scale import QUIET_WORKERS
-    from pipelines.cluster import EMBEDDED_DASK_CONFIG
-
+    the Nanny passes the environment of the moment on. The quiet tick (`EMBEDDED_DASK_CONFIG`) reaches every worker,
+    and the benchmarks' CLI workers get the same settings from their environment."""
     from multiprocessing import forkserver
 
+    import dask
     from distributed.utils import get_mp_context
 
-    from pipelines.cluster import WORKER_START_METHOD
+    from benchmarks.emulated_scale import QUIET_WORKERS
+    from pipelines.cluster import EMBEDDED_DASK_CONFIG, WORKER_START_METHOD
 
     with dask.config.set(WORKER_START_METHOD):
         get_mp_context()  # distributed's preloads, as its Nannies set them
