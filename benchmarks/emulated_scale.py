@@ -40,6 +40,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.tables import formatted, markdown_table  # noqa: E402 - after the path
+from pipelines.cluster import EMBEDDED_DASK_CONFIG  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_PACED_CORE_SHARE = 0.8
@@ -51,12 +52,10 @@ CPU_PACED_ENGINE_PACE = 0.95  # the instances emulated less than this share of t
 # The trainer's worker holds the batches handed to it (update lookahead + 1; at TBS 512 x G 16 a batch is hundreds
 # of MB of token arrays) and the CPU worker scores whole groups: `cluster.worker_memory` sizes the rollout workers.
 TRAINER_AND_CPU_MEMORY = "6GiB"
-QUIET_WORKERS = {  # the embedded cluster's settings (pipelines.cluster.EMBEDDED_DASK_CONFIG), for CLI workers
-    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
-    "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "500ms",
-    "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
-    "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
-}
+# The embedded cluster's settings, for CLI workers: as Dask reads them from the environment (`DASK_` + key, `__`
+# between levels).
+QUIET_WORKERS = {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
+                 for key, value in EMBEDDED_DASK_CONFIG.items()}
 
 
 @dataclass

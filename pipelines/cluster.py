@@ -54,8 +54,9 @@ ROLE_LABELS = {"rollout": "rollout (GPU=1,ROLLOUT=n)", "trainer": "trainer (GPU=
 # The embedded cluster shares the driver's cores, and its Nannies and scheduler live in the driver process: the
 # workers' statistical profiler (a stack sample of every task thread every 10 ms), the 100 ms memory polls of every
 # Nanny and worker, the 0.5 s system monitors and every server's 20 ms event-loop tick (it only measures the loop's
-# delay, yet many idle workers' ticks fill a core) take CPU the engines need, so they run rarely or not at all. Memory limits still hold (checked every 0.5 s); the dashboard's profile
-# page stays empty. On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
+# delay, yet many idle workers' ticks fill a core) take CPU the engines need, so they run rarely or not at all.
+# Memory limits still hold (checked every 0.5 s); the dashboard's profile page stays empty.
+# On a real cluster, set the same keys in the workers' Dask config if their cores are scarce.
 EMBEDDED_DASK_CONFIG = {
     "distributed.worker.profile.enabled": False,
     "distributed.worker.memory.monitor-interval": "500ms",
